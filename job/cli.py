@@ -1,0 +1,117 @@
+"""Command line: thin subcommands over the stages. Errors a user can cause end in one `error:` line, exit 2.
+
+    python -m job generate --config configs/demo.yaml --input PROMPTS --output RUN [--limit N]
+    python -m job hidden-states --config configs/demo.yaml --output RUN
+    python -m job report RUN
+    python -m job tiny-model --output DIR
+    python -m job demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from job.config import ConfigError, RunConfig, load_config
+
+from job.demo import DEMO_CONFIG
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEMO_CONFIG, help="run config YAML (default: %(default)s)")
+    p.add_argument("--output", help="run directory, local path or s3:// URI (overrides the config)")
+    p.add_argument("--model", help="model directory or name (overrides the config)")
+    p.add_argument("--limit", type=int, help="process only the first N rows")
+    p.add_argument("--force", action="store_true",
+                   help="resume even if settings changed, or take over another job's lock")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m job", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stage 1: prompts → completion shards")
+    _common(g)
+    g.add_argument("--input", help="folder or prefix of prompt parquet shards (overrides the config)")
+    g.add_argument("--chat-template", help="Jinja chat template file that replaces the model's own")
+    g.add_argument("--no-canary", action="store_true", help="skip the quality check on the first rows")
+
+    h = sub.add_parser("hidden-states", help="stage 2: completions → hidden-state shards")
+    _common(h)
+
+    r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
+    r.add_argument("run", help="run directory (local or s3://)")
+
+    t = sub.add_parser("tiny-model", help="build the project's tiny Qwen3-style model")
+    t.add_argument("--output", required=True)
+    t.add_argument("--train-steps", type=int)
+
+    d = sub.add_parser("demo", help="both stages end to end on the embedded demo (what `make demo` runs)")
+    d.add_argument("--output", default="demo-run")
+    return parser
+
+
+def _config(args) -> RunConfig:
+    overrides = {"output": args.output, "model": args.model, "limit": args.limit}
+    if getattr(args, "input", None):
+        overrides["input"] = args.input
+    if getattr(args, "chat_template", None):
+        overrides["generate.chat_template"] = args.chat_template
+    return load_config(args.config, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    from job.generate import CanaryFailed
+    from job.inputs import InputError
+    from job.runs import RunError
+    from job.storage import StorageError
+
+    try:
+        return _dispatch(args)
+    except CanaryFailed as e:
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)
+        return 3
+    except (ConfigError, InputError, RunError, StorageError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _dispatch(args) -> int:
+    if args.command == "generate":
+        from job.generate import run_generate
+        from job.report import print_summary
+
+        config = _config(args)
+        summary = run_generate(config, force=args.force, canary=not args.no_canary)
+        print_summary(config, summary)
+        return 0
+    if args.command == "hidden-states":
+        from job.hidden_states import run_hidden_states
+
+        config = _config(args)
+        run_hidden_states(config)
+        return 0
+    if args.command == "report":
+        from job.report import build_report, format_report
+
+        print(format_report(build_report(args.run)))
+        return 0
+    if args.command == "tiny-model":
+        from job.tiny_model import build_tiny_model
+
+        kwargs = {"train_steps": args.train_steps} if args.train_steps else {}
+        print(build_tiny_model(args.output, **kwargs))
+        return 0
+    if args.command == "demo":
+        from job.demo import run_demo
+
+        return run_demo(args.output)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

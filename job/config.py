@@ -1,0 +1,183 @@
+"""Typed run configuration: nested dataclasses loaded from YAML (configs/*.yaml), then CLI overrides.
+
+vLLM engine arguments (`engine_kwargs`) and sampling parameters (`sampling`) are passed to vLLM untouched, so
+every vLLM knob works without this file knowing about it. Sampling defaults come from the model's
+generation_config.json; `sampling` in the config overrides them key by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from job.storage import StorageConfig
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the CLI prints its message without a traceback."""
+
+
+@dataclass(kw_only=True)
+class QualityConfig:
+    min_content_tokens: int = 16
+    """A completion with fewer output tokens than this (excluding think markers and the stop token) is `too_short`."""
+    repetition_ngram: int = 8
+    """n-gram size for the repetition check."""
+    repetition_tail_tokens: int = 256
+    """The repetition check looks at this many last output tokens."""
+    repetition_min_coverage: float = 0.5
+    """`repetition` when one repeated n-gram covers at least this fraction of the tail."""
+    canary_rows: int = 64
+    """The first N completed rows are checked before the run goes on (0 = no canary). 64 rows finish in a few
+    minutes on a real cluster: engines answer the first rows of their first batches early."""
+    canary_max_template_mismatch: float = 0.05
+    canary_max_too_short: float = 0.5
+    canary_max_unclosed_think: float = 0.5
+    canary_max_error: float = 0.5
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """vllm.SamplingParams keyword arguments, over the model's generation_config.json defaults."""
+    enable_thinking: bool = True
+    """Rendered into the chat template (Qwen's `enable_thinking`)."""
+    chat_template: str | None = None
+    """Path of a Jinja chat template that replaces the model's own (flagged as `template_mismatch` if it
+    renders a different generation prompt than the model's template would)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template."""
+    seed: int = 0
+    """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
+    per_request_seed: bool | None = None
+    """Pass each row's seed to vLLM. None = on GPU builds only (the CPU build crashes on per-request seeds)."""
+    rows_per_shard: int = 256
+    """Rows per work unit and per output shard. A crash redoes at most the units in flight."""
+    units_in_flight_per_engine: int = 4
+    """Work units an engine actor holds at once. Enough that the engine never waits for one unit's slowest
+    row: while one unit drains its long tail, the others keep the batch full (rows_per_shard × this ≥
+    max_num_seqs keeps it full)."""
+    num_engines: int | None = None
+    """Engine actors. None = cluster GPUs // tensor_parallel_size, or 1 on a CPU-only cluster."""
+    engine_start_timeout_s: float = 1800
+    hang_timeout_s: float = 900
+    """An engine with requests in flight that finishes none for this long is declared hung and replaced."""
+
+
+@dataclass(kw_only=True)
+class HiddenStatesConfig:
+    # Owned by the stage-2 module (job/hidden_states.py).
+    layer_ids: list[int] = field(default_factory=lambda: [0])
+    """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]."""
+    max_length: int = 4096
+    """Sequences longer than this are clipped (recorded per sample)."""
+    backend: str = "transformers"
+    """'transformers' (reference) or 'vllm' (fast prefill path)."""
+    dtype: str = "bfloat16"
+    keep_flagged: bool = True
+    """Keep rows with quality flags (error rows are always skipped)."""
+    batch_tokens: int = 16384
+    """Tokens per forward batch (length-sorted, so padding stays small)."""
+    rows_per_shard: int = 256
+    num_workers: int | None = None
+    """Extractor actors. None = cluster GPUs, or 1 on CPU."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: str
+    """Local path, s3:// URI staged to local disk, or a hub name (clusters only)."""
+    input: str | None = None
+    """Folder or prefix of prompt parquet shards (local or s3://)."""
+    output: str
+    """Run directory (local or s3://)."""
+    limit: int | None = None
+    """Process only the first N input rows (in input order)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vllm.LLM / AsyncEngineArgs keyword arguments, passed through untouched."""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    """Environment for the engine actors (runtime_env): cluster workers do not inherit the driver's."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def __post_init__(self):
+        if not self.model:
+            raise ConfigError("config: `model` is required (a model directory or name)")
+        if self.generate.rows_per_shard < 1:
+            raise ConfigError("config: generate.rows_per_shard must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("config: limit must be >= 1")
+        tp = self.engine_kwargs.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"config: engine_kwargs.tensor_parallel_size must be a positive int, got {tp!r}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: `{where}` must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {unknown} in `{where or 'top level'}`; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        ftype = fields[name].type
+        sub = _NESTED.get(ftype)
+        kwargs[name] = _build(sub, value or {}, f"{where}.{name}".strip(".")) if sub else value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise ConfigError(f"config: {where or 'top level'}: {e}") from None
+
+
+_NESTED = {
+    "GenerateConfig": GenerateConfig,
+    "QualityConfig": QualityConfig,
+    "HiddenStatesConfig": HiddenStatesConfig,
+    "StorageConfig": StorageConfig,
+}
+
+
+def load_config(path: str, **overrides) -> RunConfig:
+    """Read a YAML config and apply non-None overrides (dotted keys allowed: `generate.seed=3`)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    # Paths in a config file are relative to the working directory (where `make`/`ray job submit` runs).
+    return _build(RunConfig, data, "")
+
+
+def to_dict(config: RunConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def from_dict(data: dict) -> RunConfig:
+    return _build(RunConfig, data, "")

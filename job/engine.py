@@ -1,0 +1,200 @@
+"""The stage-1 engine actor: one vLLM engine (one GPU or one TP group), kept full.
+
+Ray Data calls `CompletionGenerator.__call__` with one work unit (a row range of one input file). Each call
+reads its rows, renders and tokenizes them with the model's own tokenizer, submits every row to the engine
+at once, and writes the unit's shard when its last row is done. The actor runs several calls at once
+(`units_in_flight_per_engine`), so while one unit waits for its slowest row the others keep the engine's
+batch full: no batch ever waits for its slowest row, and there is no separate tokenize/detokenize actor pool
+(ray.data.llm's extra pools cost ~2× wall time on a 2-core machine, see docs/BENCHMARKS.md).
+
+Failure handling (the actor is replaced by Ray and its in-flight units retried; each unit's shard name is
+deterministic, so a retried unit overwrites nothing that another unit wrote):
+- vLLM's EngineDeadError kills the actor process: a dead engine is never retried in place.
+- A watchdog kills the actor when the engine has requests in flight and finishes none for `hang_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import pyarrow as pa
+
+from job import inputs, prompts, quality, schema, storage
+from job.config import RunConfig, from_dict
+
+log = logging.getLogger("job.engine")
+
+
+def resolved_sampling(model_path: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    """Sampling parameters: the model's generation_config.json defaults, then the config's keys on top."""
+    defaults: dict[str, Any] = {}
+    path = os.path.join(model_path, "generation_config.json")
+    if os.path.exists(path):
+        import json
+
+        with open(path) as f:
+            gen = json.load(f)
+        for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            if key in gen:
+                defaults[key] = gen[key]
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+    return {**defaults, **sampling}
+
+
+def is_gpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+class CompletionGenerator:
+    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None):
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.config: RunConfig = from_dict(config)
+        self.carried_schema = pa.ipc.read_schema(pa.py_buffer(carried_schema_bytes))
+        self.out_schema = schema.completion_schema(self.carried_schema)
+        self.chat_template = chat_template
+        gen = self.config.generate
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        started = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.config.model, **self.config.engine_kwargs))
+        log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
+        self.max_model_len = self.engine.model_config.max_model_len
+
+        sampling = resolved_sampling(self.config.model, gen.sampling)
+        # We split and decode the output ourselves once at the end; vLLM's incremental detokenizer would decode
+        # every step. FINAL_ONLY: one message per request instead of one per generated token.
+        sampling.setdefault("detokenize", False)
+        sampling["output_kind"] = RequestOutputKind.FINAL_ONLY
+        self.sampling_kwargs = sampling
+        self.SamplingParams = SamplingParams
+        self.use_seed = gen.per_request_seed if gen.per_request_seed is not None else is_gpu_platform()
+
+        self.expected_generation_prompt = quality.generation_prompt_ids(
+            self.tokenizer, enable_thinking=gen.enable_thinking, chat_template_kwargs=gen.chat_template_kwargs)
+        self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
+        if self.think_end_id == self.tokenizer.unk_token_id:
+            self.think_end_id = None
+        self.special_ids = set(self.tokenizer.all_special_ids) | {
+            i for i in (self.think_end_id, self.tokenizer.convert_tokens_to_ids("<think>")) if i is not None}
+
+        # Watchdog state: requests in flight and the last time one finished.
+        self.num_in_flight = 0
+        self.last_progress = time.monotonic()
+        self.watchdog: asyncio.Task | None = None
+
+    # -----------------------------------------------------------------------------------------------------------
+    async def __call__(self, batch: dict[str, Any]):
+        if self.watchdog is None:
+            self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+        for i in range(len(batch["file_uri"])):
+            unit = inputs.WorkUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
+                                   int(batch["start"][i]), int(batch["stop"][i]))
+            yield await self._run_unit(unit)
+
+    async def _run_unit(self, unit: inputs.WorkUnit) -> dict[str, list]:
+        started = time.monotonic()
+        table = await asyncio.to_thread(inputs.read_rows, unit.file_uri, self.config.storage,
+                                        None, unit.start, unit.stop)
+        rows = table.to_pylist()
+        results = await asyncio.gather(*(self._run_row(row) for row in rows))
+        out = self._to_table(table, results)
+        uri = storage.join(self.config.output, schema.COMPLETIONS_DIR, unit.shard_name)
+        await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
+        return {
+            "shard": [unit.shard_name],
+            "num_rows": [len(rows)],
+            "num_errors": [sum(r[schema.ERROR] is not None for r in results)],
+            "num_prompt_tokens": [sum(r[schema.NUM_PROMPT_TOKENS] or 0 for r in results)],
+            "num_output_tokens": [sum(r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results)],
+            **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
+            "seconds": [time.monotonic() - started],
+        }
+
+    async def _run_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        gen = self.config.generate
+        row_id = str(row[schema.ID])
+        result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
+        result[schema.ID] = row_id
+        try:
+            messages = prompts.row_messages(row)
+            prompt_ids = prompts.render_prompt_ids(
+                self.tokenizer, messages, chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
+                chat_template_kwargs=gen.chat_template_kwargs)
+            if len(prompt_ids) >= self.max_model_len:
+                raise prompts.RowError(f"prompt too long: {len(prompt_ids)} tokens, the model allows "
+                                       f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        except prompts.RowError as e:
+            result[schema.ERROR] = str(e)
+            return result
+        except Exception as e:  # a template that raises on this row (e.g. Jinja's raise_exception)
+            result[schema.ERROR] = f"chat template failed: {type(e).__name__}: {e}"
+            return result
+
+        seed = prompts.row_seed(gen.seed, row_id)
+        params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))
+        if self.num_in_flight == 0:  # the watchdog measures from the moment work arrives, not from idle time
+            self.last_progress = time.monotonic()
+        self.num_in_flight += 1
+        try:
+            final = None
+            async for final in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                                    request_id=f"{row_id}-{uuid.uuid4().hex[:8]}"):
+                pass
+        except EngineDeadError:
+            log.error("vLLM engine died; exiting so Ray replaces this actor and retries its units")
+            os._exit(1)
+        finally:
+            self.num_in_flight -= 1
+            self.last_progress = time.monotonic()
+        completion = final.outputs[0]
+        output_ids = list(completion.token_ids)
+        reasoning, answer, n_reasoning, n_answer, closed = prompts.split_completion(
+            self.tokenizer, output_ids, self.think_end_id, gen.enable_thinking)
+        result.update({
+            schema.PROMPT_TOKEN_IDS: prompt_ids,
+            schema.OUTPUT_TOKEN_IDS: output_ids,
+            schema.REASONING: reasoning,
+            schema.ANSWER: answer,
+            schema.FINISH_REASON: completion.finish_reason,
+            schema.NUM_PROMPT_TOKENS: len(prompt_ids),
+            schema.NUM_OUTPUT_TOKENS: len(output_ids),
+            schema.NUM_REASONING_TOKENS: n_reasoning,
+            schema.NUM_ANSWER_TOKENS: n_answer,
+            schema.SEED: seed if self.use_seed else None,
+        })
+        result.update(quality.row_flags(
+            prompt_ids=prompt_ids, output_ids=output_ids, finish_reason=completion.finish_reason,
+            think_closed=closed, answer=answer, thinking=gen.enable_thinking,
+            expected_generation_prompt=self.expected_generation_prompt, special_ids=self.special_ids,
+            config=self.config.quality))
+        return result
+
+    def _to_table(self, inp: pa.Table, results: list[dict]) -> pa.Table:
+        columns = {name: [r[name] for r in results] for name in schema.COMPLETION_COLUMNS}
+        arrays = [pa.array(columns[f.name], type=f.type) for f in schema.COMPLETION_FIELDS]
+        arrays += [inp.column(f.name) for f in self.out_schema if f.name not in schema.COMPLETION_COLUMNS]
+        return pa.Table.from_arrays(arrays, schema=self.out_schema)
+
+    async def _watch(self):
+        timeout = self.config.generate.hang_timeout_s
+        while True:
+            await asyncio.sleep(min(5.0, timeout / 4))
+            if self.num_in_flight and time.monotonic() - self.last_progress > timeout:
+                log.error("engine hung: %d requests in flight, none finished for %.0f s; exiting so Ray replaces "
+                          "this actor and retries its units", self.num_in_flight, timeout)
+                os._exit(1)

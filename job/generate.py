@@ -1,0 +1,195 @@
+"""Stage 1: prompt parquet shards → vLLM engine actors → completion shards.
+
+    python -m job generate --config configs/demo.yaml --output demo-run
+
+Reads top to bottom: scan and validate the input → check the run directory (resume, drift, lock) → cut the rows
+not yet done into work units → Ray Data streams the units through the engine actors, which write one shard per
+unit → the driver follows the per-unit summaries (progress, canary) → report.
+
+Nothing is materialized on the driver: it holds the unit list (one small record per shard) and per-unit counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from job import inputs, progress, quality, runs, schema, storage
+from job.config import ConfigError, RunConfig
+
+log = logging.getLogger("job.generate")
+
+
+class CanaryFailed(RuntimeError):
+    """The first rows say the dataset would be useless; the message says what to check."""
+
+
+@dataclass
+class GenerateSummary:
+    output: str
+    num_rows_total: int
+    num_rows_done_before: int
+    num_rows: int = 0
+    num_errors: int = 0
+    num_output_tokens: int = 0
+    seconds: float = 0.0
+    generation_seconds: float = 0.0
+    already_complete: bool = False
+    shards: list[str] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+
+def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> None:
+    """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
+    ctx.print_on_execution_start = False
+
+
+def num_engines(config: RunConfig) -> int:
+    import ray
+
+    if config.generate.num_engines:
+        return config.generate.num_engines
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    return max(1, gpus // config.tensor_parallel_size)
+
+
+def read_chat_template(config: RunConfig) -> str | None:
+    path = config.generate.chat_template
+    if not path:
+        return None
+    try:
+        return storage.read_bytes(path, config.storage).decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"chat template {path} cannot be read: {e}") from None
+
+
+def check_model(config: RunConfig) -> None:
+    model = config.model
+    looks_local = model.startswith(("/", ".", "~")) or os.path.exists(model)
+    if looks_local and not os.path.isdir(model):
+        raise ConfigError(f"model {model!r}: no such directory (build the demo model with "
+                          "`python -m job tiny-model --output DIR`)")
+    if looks_local and not os.path.exists(os.path.join(model, "config.json")):
+        raise ConfigError(f"model {model!r}: no config.json in that directory")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True) -> GenerateSummary:
+    started = time.monotonic()
+    if not config.input:
+        raise ConfigError("no input: pass --input (a folder or s3:// prefix of prompt parquet shards)")
+    check_model(config)
+    from job.engine import resolved_sampling  # vLLM itself is imported only inside the actors
+
+    chat_template = read_chat_template(config)
+    sampling = resolved_sampling(config.model, config.generate.sampling)
+
+    # 1. Input: list files and read their footers (cheap), validate ids once per run.
+    files = inputs.list_input_files(config.input, config.storage)
+    previous = runs.read_run_json(config.output, config.storage)
+    fingerprint = inputs.fingerprint(files)
+    ident = runs.identity(config, sampling, chat_template, fingerprint)
+    if previous and "generate" in previous:
+        runs.check_drift(previous["generate"].get("identity", {}), ident, force)
+        carried = inputs.read_schema(files[0].uri, config.storage)
+    else:
+        carried = inputs.validate_input(files, config.storage)
+    total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
+
+    with runs.WriterLock(config, "generate", force=force):
+        # 2. What is left: the output listing minus the wanted row ranges.
+        completions = storage.join(config.output, schema.COMPLETIONS_DIR)
+        done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)]
+        done_rows = inputs.count_done_rows(files, done, config.limit)
+        canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
+        run_canary = canary and config.quality.canary_rows > 0 and not canary_passed and done_rows == 0
+        units = inputs.pending_units(files, done, config.limit, config.generate.rows_per_shard,
+                                     first_unit_rows=config.quality.canary_rows if run_canary else None)
+        summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
+        runs.write_run_json(config, "generate", {
+            "identity": ident, "input": {"uri": config.input, "num_files": len(files), "num_rows": total_rows},
+            "sampling": sampling, "status": "running" if units else "complete"})
+        if not units:
+            summary.already_complete = True
+            summary.seconds = time.monotonic() - started
+            print(f"nothing to do: all {total_rows:,} rows of this run are already in {completions}", flush=True)
+            return summary
+        print(f"generate: {len(units):,} work units, {sum(u.num_rows for u in units):,} rows to go "
+              f"({done_rows:,} of {total_rows:,} already done)", flush=True)
+
+        # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
+        summaries = _start_pipeline(config, units, carried, chat_template)
+        tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate")
+        canary_rows, window_start = 0, None
+        for s in summaries:
+            if window_start is None:  # the generation window opens when the first unit started work
+                window_start = time.monotonic() - s["seconds"]
+            summary.num_rows += s["num_rows"]
+            summary.num_errors += s["num_errors"]
+            summary.num_output_tokens += s["num_output_tokens"]
+            summary.shards.append(s["shard"])
+            tracker.update(s)
+            if run_canary and canary_rows < config.quality.canary_rows:
+                canary_rows += s["num_rows"]
+                if canary_rows >= config.quality.canary_rows:
+                    verdict = quality.canary_verdict(tracker.totals, config.quality)
+                    if verdict:
+                        raise CanaryFailed(verdict)
+                    print(f"canary passed on the first {canary_rows} rows", flush=True)
+                    runs.write_run_json(config, "generate", {"canary_passed": True})
+        summary.generation_seconds = time.monotonic() - window_start
+        tracker.close()
+        runs.write_run_json(config, "generate", {"status": "complete"})
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa.Schema,
+                    chat_template: str | None):
+    import ray
+
+    from job.config import to_dict
+    from job.engine import CompletionGenerator
+
+    ensure_ray(config)
+    n = num_engines(config)
+    k = config.generate.units_in_flight_per_engine
+    gpus_per_engine = config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
+    # One block per unit: each unit is its own task, so an actor can run `k` of them at once and a failed
+    # actor retries exactly its own units.
+    ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
+    ds = ds.map_batches(
+        CompletionGenerator,
+        fn_constructor_kwargs={"config": to_dict(config), "carried_schema_bytes": carried.serialize().to_pybytes(),
+                               "chat_template": chat_template},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=k),
+        max_concurrency=k,
+        num_cpus=1,
+        num_gpus=gpus_per_engine,
+        runtime_env={"env_vars": dict(config.env_vars)},
+        # A dead engine kills its actor (see engine.py): restart it and retry its units, forever.
+        max_restarts=-1,
+        max_task_retries=-1,
+    )
+    return ds.iter_rows()

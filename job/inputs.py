@@ -1,0 +1,248 @@
+"""Input prompt shards: listing, up-front validation, and the work units of a run.
+
+A *work unit* is a row range of one input file: `(file_index, start, stop)`. It becomes exactly one output
+shard named `f{file_index:05d}-r{start:010d}-{stop:010d}.arrow`, so the run directory's listing alone says
+which rows are done. Resuming = listing the output, subtracting the covered row ranges from the wanted
+ones, and cutting what is left into new units. The bookkeeping is O(number of shards), never O(ids): a
+10M-row input at 256 rows per shard is ~40k names (docs/BENCHMARKS.md measures it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from job import schema, storage
+from job.storage import StorageConfig
+
+
+class InputError(ValueError):
+    """Input the user must fix; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    uri: str
+    num_rows: int
+    size: int
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    file_index: int
+    file_uri: str
+    start: int
+    stop: int
+
+    @property
+    def shard_name(self) -> str:
+        return f"f{self.file_index:05d}-r{self.start:010d}-{self.stop:010d}{schema.SHARD_SUFFIX}"
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+    def to_row(self) -> dict:
+        return asdict(self)
+
+
+_SHARD_RE = re.compile(r"f(\d{5})-r(\d{10})-(\d{10})\.arrow$")
+
+
+def parse_shard_name(name: str) -> tuple[int, int, int] | None:
+    m = _SHARD_RE.search(name)
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Listing and validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]:
+    """Every .parquet file under `uri` (a folder, a single file or an S3 prefix), with row counts from footers."""
+    fs, path = storage.resolve(uri, storage_config)
+    try:
+        info = storage.with_retries(fs.get_file_info, path, what=f"stat {uri}", storage=storage_config)
+    except OSError as e:
+        raise InputError(f"input {uri}: cannot be read: {_short(e)}") from None
+    if info.type == pafs.FileType.File:
+        uris = [uri]
+    elif info.type == pafs.FileType.Directory or storage.is_s3(uri):
+        try:
+            uris = storage.list_files(uri, ".parquet", storage_config)
+        except OSError as e:  # e.g. the bucket does not exist
+            raise InputError(f"input {uri}: cannot be listed: {_short(e)}") from None
+    else:
+        raise InputError(f"input {uri}: no such file or directory")
+    if not uris:
+        raise InputError(f"input {uri}: no .parquet files found")
+
+    def footer(u: str) -> InputFile:
+        meta = _read_metadata(u, storage_config)
+        return InputFile(uri=u, num_rows=meta.num_rows, size=meta.serialized_size)
+
+    with ThreadPoolExecutor(16) as pool:  # footers are tiny; S3 latency dominates, so read them in parallel
+        return list(pool.map(footer, uris))
+
+
+def _read_metadata(uri: str, storage_config: StorageConfig) -> pq.FileMetaData:
+    fs, path = storage.resolve(uri, storage_config)
+    try:
+        return storage.with_retries(lambda: pq.read_metadata(path, filesystem=fs), what=f"read footer of {uri}",
+                                    storage=storage_config)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"input file {uri} is not a readable parquet file: {_short(e)}") from None
+
+
+def _short(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:300]
+
+
+def read_schema(uri: str, storage_config: StorageConfig) -> pa.Schema:
+    return _read_metadata(uri, storage_config).schema.to_arrow_schema()
+
+
+def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.Schema:
+    """Refuse input that cannot be processed at all; return the schema of the carried columns.
+
+    Checks: every file has `id` and `prompt` or `messages`, and the same schema; ids are never null and unique
+    across the whole input. The id check reads the `id` column of every file (~1 s per 10M integer ids); it runs
+    on a run's first start only (run.json records it).
+    """
+    schemas = {}
+    for f in files:
+        s = read_schema(f.uri, storage_config)
+        if schema.ID not in s.names:
+            raise InputError(f"input file {f.uri} has no `{schema.ID}` column (columns: {s.names})")
+        if schema.PROMPT not in s.names and schema.MESSAGES not in s.names:
+            raise InputError(f"input file {f.uri} has neither a `{schema.PROMPT}` nor a `{schema.MESSAGES}` column "
+                             f"(columns: {s.names})")
+        schemas[f.uri] = s
+    first = files[0].uri
+    for uri, s in schemas.items():
+        if not s.remove_metadata().equals(schemas[first].remove_metadata()):
+            raise InputError(f"input files disagree on their schema: {first} has {schemas[first]} but {uri} has {s}")
+
+    seen: list[pa.Array] = []
+    for f in files:
+        ids = read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID)
+        nulls = ids.null_count
+        if nulls:
+            raise InputError(f"input file {f.uri}: {nulls} row(s) have a null `{schema.ID}`; every row needs an id")
+        seen.append(pc.cast(ids, pa.string()).combine_chunks())
+    all_ids = pa.chunked_array(seen)
+    if len(pc.unique(all_ids)) != len(all_ids):
+        counts = pc.value_counts(all_ids)
+        dup = counts.filter(pc.greater(counts.field("counts"), 1))
+        example = dup[0]["values"].as_py()
+        raise InputError(f"input has {len(dup)} duplicate id(s), e.g. {example!r}; ids must be unique across the input")
+    return schemas[first]
+
+
+def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None = None,
+              start: int = 0, stop: int | None = None) -> pa.Table:
+    """Rows [start, stop) of one parquet file, reading only the row groups that cover them."""
+    fs, path = storage.resolve(uri, storage_config)
+
+    def _read() -> pa.Table:
+        with fs.open_input_file(path) as fh:
+            pf = pq.ParquetFile(fh)
+            end = pf.metadata.num_rows if stop is None else stop
+            groups, offset, first_offset = [], 0, None
+            for g in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if offset + n > start and offset < end:
+                    groups.append(g)
+                    first_offset = offset if first_offset is None else first_offset
+                offset += n
+            if not groups:
+                return pf.schema_arrow.empty_table().select(columns) if columns else pf.schema_arrow.empty_table()
+            table = pf.read_row_groups(groups, columns=columns)
+            return table.slice(start - first_offset, end - start)
+
+    try:
+        return storage.with_retries(_read, what=f"read {uri}", storage=storage_config)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"input file {uri} could not be read: {_short(e)}") from None
+
+
+def fingerprint(files: list[InputFile]) -> str:
+    """Identity of an input listing (names, row counts, footer sizes): resuming on changed input is refused."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.uri.rsplit('/', 1)[-1]}\t{f.num_rows}\t{f.size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Work units
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def wanted_ranges(files: list[InputFile], limit: int | None) -> list[tuple[int, int, int]]:
+    """(file_index, start, stop) of the rows this run must produce: all rows, or the first `limit` in order."""
+    ranges, left = [], limit
+    for i, f in enumerate(files):
+        n = f.num_rows if left is None else min(f.num_rows, left)
+        if n > 0:
+            ranges.append((i, 0, n))
+        if left is not None:
+            left -= n
+            if left <= 0:
+                break
+    return ranges
+
+
+def pending_units(files: list[InputFile], done_shard_names: list[str], limit: int | None,
+                  rows_per_shard: int, first_unit_rows: int | None = None) -> list[WorkUnit]:
+    """Cut the wanted rows not covered by a done shard into units of `rows_per_shard` rows.
+
+    `first_unit_rows` makes the first units of the run smaller (the canary: their rows come back first).
+    """
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for name in done_shard_names:
+        parsed = parse_shard_name(name)
+        if parsed:
+            covered.setdefault(parsed[0], []).append((parsed[1], parsed[2]))
+    units: list[WorkUnit] = []
+    small_left = first_unit_rows or 0
+    for file_index, start, stop in wanted_ranges(files, limit):
+        gaps, pos = [], start
+        for s, e in sorted(covered.get(file_index, [])):
+            if s > pos:
+                gaps.append((pos, min(s, stop)))
+            pos = max(pos, e)
+            if pos >= stop:
+                break
+        if pos < stop:
+            gaps.append((pos, stop))
+        for gs, ge in gaps:
+            pos = gs
+            while pos < ge:
+                size = rows_per_shard
+                if small_left > 0:
+                    size = min(size, max(1, small_left // 4), small_left)  # ≥4 units, so several engines share it
+                    small_left -= size
+                end = min(ge, pos + size)
+                units.append(WorkUnit(file_index, files[file_index].uri, pos, end))
+                pos = end
+    return units
+
+
+def count_done_rows(files: list[InputFile], done_shard_names: list[str], limit: int | None) -> int:
+    wanted = {i: (s, e) for i, s, e in wanted_ranges(files, limit)}
+    total = 0
+    for name in done_shard_names:
+        parsed = parse_shard_name(name)
+        if parsed and parsed[0] in wanted:
+            lo, hi = wanted[parsed[0]]
+            total += max(0, min(hi, parsed[2]) - max(lo, parsed[1]))
+    return total

@@ -1,0 +1,118 @@
+"""Run report: counts and rates of every quality flag, length percentiles, finish reasons, error kinds.
+
+Built from the completion shards committed so far, so `python -m job report RUN` works on a finished run and on
+one still running. Reads only the small columns (no token lists), so it stays cheap on a 1M-row run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+
+from job import schema, storage
+from job.storage import StorageConfig
+
+_REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
+                   schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR]
+
+
+def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
+    return storage.list_files(storage.join(run_uri, schema.COMPLETIONS_DIR), schema.SHARD_SUFFIX, storage_config)
+
+
+def read_completion_columns(run_uri: str, columns: list[str] | None = None,
+                            storage_config: StorageConfig | None = None) -> pa.Table:
+    tables = [storage.read_shard(u, storage_config).select(columns or _REPORT_COLUMNS)
+              for u in completion_shards(run_uri, storage_config)]
+    if not tables:
+        return schema.completion_schema().empty_table().select(columns or _REPORT_COLUMNS)
+    return pa.concat_tables(tables)
+
+
+def error_kind(message: str) -> str:
+    """`prompt too long: 5000 tokens ...` → `prompt too long`: the text before the first colon."""
+    return re.split(r"[:(]", message, maxsplit=1)[0].strip()
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {"p50": 0, "p90": 0, "p99": 0, "mean": 0}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(values.mean())}
+
+
+def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
+    from job.runs import read_run_json
+
+    storage_config = storage_config or StorageConfig()
+    run = read_run_json(run_uri, storage_config) or {}
+    table = read_completion_columns(run_uri, storage_config=storage_config)
+    errors = table.column(schema.ERROR).to_pylist()
+    ok_mask = np.array([e is None for e in errors], dtype=bool)
+    num_ok = int(ok_mask.sum())
+
+    def col(name: str) -> np.ndarray:
+        return np.array(table.column(name).fill_null(0).to_pylist(), dtype=np.int64)[ok_mask]
+
+    flags = {}
+    for flag in schema.QUALITY_FLAGS:
+        n = int(np.array(table.column(flag).fill_null(False).to_pylist(), dtype=bool)[ok_mask].sum())
+        flags[flag] = {"count": n, "rate": n / num_ok if num_ok else 0.0}
+    gen = run.get("generate", {})
+    total = gen.get("input", {}).get("num_rows")
+    return {
+        "run": run_uri,
+        "status": gen.get("status", "unknown"),
+        "rows_total": total,
+        "rows_done": table.num_rows,
+        "rows_ok": num_ok,
+        "rows_error": table.num_rows - num_ok,
+        "output_tokens": int(col(schema.NUM_OUTPUT_TOKENS).sum()),
+        "flags": flags,
+        "tokens": {name: _percentiles(col(c)) for name, c in (
+            ("prompt", schema.NUM_PROMPT_TOKENS), ("reasoning", schema.NUM_REASONING_TOKENS),
+            ("answer", schema.NUM_ANSWER_TOKENS), ("output", schema.NUM_OUTPUT_TOKENS))},
+        "finish_reasons": dict(Counter(r for r, ok in zip(table.column(schema.FINISH_REASON).to_pylist(), ok_mask)
+                                       if ok)),
+        "error_kinds": dict(Counter(error_kind(e) for e in errors if e is not None)),
+    }
+
+
+def format_report(report: dict) -> str:
+    total = report["rows_total"]
+    done = f"{report['rows_done']:,}" + (f" of {total:,}" if total else "")
+    lines = [f"run {report['run']} ({report['status']}): {done} rows, {report['rows_error']:,} errors, "
+             f"{report['output_tokens']:,} output tokens",
+             "quality flags (share of non-error rows):"]
+    lines += [f"  {flag:<18} {v['count']:>8,}  {v['rate']:6.1%}" for flag, v in report["flags"].items()]
+    lines.append("tokens per row          p50      p90      p99     mean")
+    lines += [f"  {name:<18} {v['p50']:>8.0f} {v['p90']:>8.0f} {v['p99']:>8.0f} {v['mean']:>8.1f}"
+              for name, v in report["tokens"].items()]
+    lines.append("finish reasons: " + (", ".join(f"{k}={v:,}" for k, v in report["finish_reasons"].items()) or "-"))
+    lines.append("error kinds: " + (", ".join(f"{k}={v:,}" for k, v in report["error_kinds"].items()) or "none"))
+    return "\n".join(lines)
+
+
+def write_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
+    report = build_report(run_uri, storage_config)
+    storage.write_json(storage.join(run_uri, schema.REPORTS_DIR, "generate.json"), report, storage_config)
+    return report
+
+
+def print_summary(config, summary) -> None:
+    if summary.already_complete:
+        print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
+        return
+    report = write_report(config.output, config.storage)
+    print()
+    print(format_report(report))
+    print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
+          f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
+    print(f"shards:  {storage.join(config.output, schema.COMPLETIONS_DIR)}/*.arrow  (report: "
+          f"{storage.join(config.output, schema.REPORTS_DIR, 'generate.json')})")
+    print(f"look at them: RUN_DIR={config.output} jupyter notebook notebooks/inspect_outputs.ipynb, or "
+          f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
+          "format='arrow')")

@@ -1,0 +1,102 @@
+"""Column names and Arrow schemas, declared once and imported everywhere.
+
+Writers always pass these schemas explicitly: an inferred schema changes with the first batch (an all-null
+column becomes `null` typed) and shards written by different actors would then not concatenate.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input prompt shards (Parquet)
+# ---------------------------------------------------------------------------------------------------------------
+ID = "id"
+MESSAGES = "messages"
+PROMPT = "prompt"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Completion shards (stage 1)
+# ---------------------------------------------------------------------------------------------------------------
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+OUTPUT_TOKEN_IDS = "output_token_ids"
+REASONING = "reasoning"
+ANSWER = "answer"
+FINISH_REASON = "finish_reason"
+NUM_PROMPT_TOKENS = "num_prompt_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+NUM_REASONING_TOKENS = "num_reasoning_tokens"
+NUM_ANSWER_TOKENS = "num_answer_tokens"
+SEED = "seed"
+ERROR = "error"
+
+# Quality flags (job/quality.py computes them). One boolean column each; null on error rows.
+FLAG_TOO_SHORT = "too_short"
+FLAG_UNCLOSED_THINK = "unclosed_think"
+FLAG_EMPTY_ANSWER = "empty_answer"
+FLAG_TRUNCATED = "truncated"
+FLAG_REPETITION = "repetition"
+FLAG_TEMPLATE_MISMATCH = "template_mismatch"
+QUALITY_FLAGS = (
+    FLAG_TOO_SHORT,
+    FLAG_UNCLOSED_THINK,
+    FLAG_EMPTY_ANSWER,
+    FLAG_TRUNCATED,
+    FLAG_REPETITION,
+    FLAG_TEMPLATE_MISMATCH,
+)
+
+# The columns stage 1 produces, in order. Carried input columns (everything in the prompt shard except `id`)
+# are appended after these, with their input types.
+COMPLETION_FIELDS = [
+    pa.field(ID, pa.string(), nullable=False),  # input ids are normalised to strings: one type for every shard
+    pa.field(PROMPT_TOKEN_IDS, pa.list_(pa.int32())),
+    pa.field(OUTPUT_TOKEN_IDS, pa.list_(pa.int32())),
+    pa.field(REASONING, pa.string()),
+    pa.field(ANSWER, pa.string()),
+    pa.field(FINISH_REASON, pa.string()),
+    pa.field(NUM_PROMPT_TOKENS, pa.int32()),
+    pa.field(NUM_OUTPUT_TOKENS, pa.int32()),
+    pa.field(NUM_REASONING_TOKENS, pa.int32()),
+    pa.field(NUM_ANSWER_TOKENS, pa.int32()),
+    pa.field(SEED, pa.int64()),
+    *[pa.field(flag, pa.bool_()) for flag in QUALITY_FLAGS],
+    pa.field(ERROR, pa.string()),
+]
+COMPLETION_COLUMNS = [f.name for f in COMPLETION_FIELDS]
+
+
+def completion_schema(carried: pa.Schema | None = None) -> pa.Schema:
+    """Schema of a completion shard: the fixed columns, then the input columns carried through."""
+    fields = list(COMPLETION_FIELDS)
+    if carried is not None:
+        fields += [f for f in carried if f.name not in COMPLETION_COLUMNS]
+    return pa.schema(fields)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hidden-state shards (stage 2)
+# ---------------------------------------------------------------------------------------------------------------
+INPUT_IDS = "input_ids"
+LOSS_MASK = "loss_mask"
+HIDDEN_STATES = "hidden_states"  # bf16 bits stored as fixed-size binary per token, see job/hidden_states.py
+NUM_TOKENS = "num_tokens"
+CLIPPED = "clipped"  # true when prompt + completion was longer than max_length and was cut
+ORIGINAL_NUM_TOKENS = "original_num_tokens"
+
+# Schema metadata keys of hidden-state shards.
+META_MODEL = b"model"
+META_LAYER_IDS = b"layer_ids"
+META_LAYER_CONVENTION = b"layer_convention"
+META_DTYPE = b"dtype"
+META_HIDDEN_SIZE = b"hidden_size"
+LAYER_CONVENTION = "layer k = output of decoder layer k (0-based) = transformers output_hidden_states[k + 1]"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run directory layout
+# ---------------------------------------------------------------------------------------------------------------
+RUN_JSON = "run.json"
+COMPLETIONS_DIR = "completions"
+HIDDEN_STATES_DIR = "hidden_states"
+REPORTS_DIR = "reports"
+SHARD_SUFFIX = ".arrow"

@@ -1,0 +1,171 @@
+"""All file access: local paths and s3:// URIs through one pyarrow.fs code path.
+
+S3-compatible endpoints come from `StorageConfig.endpoint_url` or the standard AWS environment variables
+(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...). Credentials are never stored in the run directory or logged:
+pyarrow reads them from the environment / instance profile itself.
+
+Shard writes are atomic: a reader sees either no shard or the whole shard.
+- local: write `<name>.tmp-<pid>-<rand>` next to the target, then rename (atomic on POSIX);
+- S3: a PUT (or a completed multipart upload) makes the object visible in one step, so writing the final key
+  directly is already atomic; nothing half-written is ever listed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
+
+from job.schema import SHARD_SUFFIX
+
+
+class StorageError(RuntimeError):
+    """A storage failure that persisted through retries (or one a user must fix: bad path, missing bucket)."""
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    endpoint_url: str | None = None
+    """S3-compatible endpoint, e.g. http://127.0.0.1:9000. Default: AWS_ENDPOINT_URL[_S3] or AWS itself."""
+    region: str | None = None
+    """S3 region. Default: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."""
+    num_retries: int = 8
+    """Attempts for transient S3 errors (503 SlowDown, 500, connection reset), with exponential backoff."""
+    retry_base_s: float = 0.5
+    """First backoff; doubles per attempt with jitter, capped at 20 s."""
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def join(base: str, *parts: str) -> str:
+    base = base.rstrip("/")
+    return "/".join([base, *[p.strip("/") for p in parts]])
+
+
+def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path or an s3:// URI."""
+    storage = storage or StorageConfig()
+    if is_s3(uri):
+        parsed = urlparse(uri)
+        endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        kwargs: dict = {"region": region}
+        if endpoint:
+            ep = urlparse(endpoint)
+            kwargs["endpoint_override"] = ep.netloc or ep.path
+            kwargs["scheme"] = ep.scheme or "https"
+        # pyarrow's own AWS retry strategy handles throttling inside one call; `with_retries` below covers the rest.
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=3)
+        fs = pafs.S3FileSystem(**kwargs)
+        return fs, (parsed.netloc + parsed.path).rstrip("/")
+    return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+# Substrings of transient S3 / network errors as pyarrow reports them. Anything else (AccessDenied,
+# NoSuchBucket, a missing file) is not retried: retrying a user error only delays its message.
+_TRANSIENT = ("SlowDown", "503", "500", "InternalError", "ServiceUnavailable", "connection", "Connection",
+              "reset", "timed out", "Timeout", "curlCode", "Broken pipe", "RequestTimeout")
+
+
+def with_retries(fn, *args, what: str, storage: StorageConfig | None = None, **kwargs):
+    storage = storage or StorageConfig()
+    for attempt in range(storage.num_retries):
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, pa.ArrowException) as e:
+            msg = str(e)
+            if isinstance(e, FileNotFoundError) or not any(t in msg for t in _TRANSIENT):
+                raise
+            if attempt == storage.num_retries - 1:
+                raise StorageError(f"{what}: still failing after {storage.num_retries} attempts: {msg}") from e
+            time.sleep(min(20.0, storage.retry_base_s * 2**attempt) * (0.5 + random.random()))
+
+
+def exists(uri: str, storage: StorageConfig | None = None) -> bool:
+    fs, path = resolve(uri, storage)
+    info = with_retries(fs.get_file_info, path, what=f"stat {uri}", storage=storage)
+    return info.type != pafs.FileType.NotFound
+
+
+def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> list[str]:
+    """Sorted URIs of the files under `uri` (recursively) whose name ends in `suffix`; [] if `uri` is absent."""
+    fs, path = resolve(uri, storage)
+    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+    infos = with_retries(fs.get_file_info, selector, what=f"list {uri}", storage=storage)
+    rel = sorted(i.path[len(path):].lstrip("/") for i in infos
+                 if i.type == pafs.FileType.File and i.path.endswith(suffix) and ".tmp-" not in i.base_name)
+    return [join(uri, r) for r in rel]
+
+
+def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
+    fs, path = resolve(uri, storage)
+
+    def _write():
+        if isinstance(fs, pafs.LocalFileSystem):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+
+    with_retries(_write, what=f"write {uri}", storage=storage)
+
+
+def read_bytes(uri: str, storage: StorageConfig | None = None) -> bytes:
+    fs, path = resolve(uri, storage)
+
+    def _read():
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+    return with_retries(_read, what=f"read {uri}", storage=storage)
+
+
+def write_json(uri: str, obj, storage: StorageConfig | None = None) -> None:
+    write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True, default=str).encode() + b"\n", storage)
+
+
+def read_json(uri: str, storage: StorageConfig | None = None):
+    return json.loads(read_bytes(uri, storage))
+
+
+def table_to_ipc_bytes(table: pa.Table, compression: str | None = "zstd") -> bytes:
+    sink = io.BytesIO()
+    options = ipc.IpcWriteOptions(compression=compression)
+    with ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def write_shard(uri: str, table: pa.Table, storage: StorageConfig | None = None, compression: str | None = "zstd"):
+    """Write one Arrow IPC file atomically. zstd by default; stage 2 passes None so features stay mmap-able."""
+    assert uri.endswith(SHARD_SUFFIX), uri
+    write_bytes_atomic(uri, table_to_ipc_bytes(table, compression), storage)
+
+
+def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool = False) -> pa.Table:
+    fs, path = resolve(uri, storage)
+    if memory_map and isinstance(fs, pafs.LocalFileSystem):
+        return ipc.open_file(pa.memory_map(path, "r")).read_all()
+    return ipc.open_file(pa.BufferReader(read_bytes(uri, storage))).read_all()
+
+
+def delete(uri: str, storage: StorageConfig | None = None) -> None:
+    fs, path = resolve(uri, storage)
+    with_retries(fs.delete_file, path, what=f"delete {uri}", storage=storage)
