@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import inputs, progress, quality, runs, schema, storage
+from job import inputs, progress, quality, report, runs, schema, storage
 from job.config import ConfigError, RunConfig
 
 log = logging.getLogger("job.generate")
@@ -46,12 +46,13 @@ class GenerateSummary:
         return self.num_output_tokens / self.generation_seconds if self.generation_seconds else 0.0
 
 
-def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> None:
-    """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray."""
+def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
+    """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray.
+    Returns True when this call started Ray (the caller shuts it down again)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
     else:
@@ -60,6 +61,7 @@ def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
     ctx.print_on_execution_start = False
+    return True
 
 
 def num_engines(config: RunConfig) -> int:
@@ -138,41 +140,56 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
               f"({done_rows:,} of {total_rows:,} already done)", flush=True)
 
         # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
-        summaries = _start_pipeline(config, units, carried, chat_template)
-        tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate")
-        canary_rows, window_start = 0, None
-        for s in summaries:
-            if window_start is None:  # the generation window opens when the first unit started work
-                window_start = time.monotonic() - s["seconds"]
-            summary.num_rows += s["num_rows"]
-            summary.num_errors += s["num_errors"]
-            summary.num_output_tokens += s["num_output_tokens"]
-            summary.shards.append(s["shard"])
-            tracker.update(s)
-            if run_canary and canary_rows < config.quality.canary_rows:
-                canary_rows += s["num_rows"]
-                if canary_rows >= config.quality.canary_rows:
-                    verdict = quality.canary_verdict(tracker.totals, config.quality)
-                    if verdict:
-                        raise CanaryFailed(verdict)
-                    print(f"canary passed on the first {canary_rows} rows", flush=True)
-                    runs.write_run_json(config, "generate", {"canary_passed": True})
-        summary.generation_seconds = time.monotonic() - window_start
-        tracker.close()
-        runs.write_run_json(config, "generate", {"status": "complete"})
+        import ray
+
+        started_ray = ensure_ray(config)
+        try:
+            engines = num_engines(config)
+            _follow(config, _start_pipeline(config, units, carried, chat_template, engines), summary,
+                    total_rows, done_rows, run_canary)
+        finally:
+            if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
+                ray.shutdown()
+        runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines,
+                                                 "output_tokens_per_s": summary.output_tokens_per_s})
+        report.write_report(config.output, config.storage)
     summary.seconds = time.monotonic() - started
     return summary
 
 
+def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: int, done_rows: int,
+            run_canary: bool) -> None:
+    """Consume the per-unit summaries as units finish: progress line, canary decision, totals."""
+    tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate")
+    canary_rows, window_start = 0, None
+    for s in summaries:
+        if window_start is None:  # the generation window opens when the first finished unit started
+            window_start = time.monotonic() - s["seconds"]
+        summary.num_rows += s["num_rows"]
+        summary.num_errors += s["num_errors"]
+        summary.num_output_tokens += s["num_output_tokens"]
+        summary.shards.append(s["shard"])
+        tracker.update(s)
+        if run_canary and canary_rows < config.quality.canary_rows:
+            canary_rows += s["num_rows"]
+            if canary_rows >= config.quality.canary_rows:
+                verdict = quality.canary_verdict(tracker.totals, config.quality)
+                if verdict:
+                    tracker.close()
+                    raise CanaryFailed(verdict)
+                print(f"canary passed on the first {canary_rows} rows", flush=True)
+                runs.write_run_json(config, "generate", {"canary_passed": True})
+    summary.generation_seconds = time.monotonic() - window_start if window_start else 0.0
+    tracker.close()
+
+
 def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa.Schema,
-                    chat_template: str | None):
+                    chat_template: str | None, n: int):
     import ray
 
     from job.config import to_dict
     from job.engine import CompletionGenerator
 
-    ensure_ray(config)
-    n = num_engines(config)
     k = config.generate.units_in_flight_per_engine
     gpus_per_engine = config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
     # One block per unit: each unit is its own task, so an actor can run `k` of them at once and a failed

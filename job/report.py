@@ -106,7 +106,7 @@ def print_summary(config, summary) -> None:
     if summary.already_complete:
         print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
         return
-    report = write_report(config.output, config.storage)
+    report = build_report(config.output, config.storage)
     print()
     print(format_report(report))
     print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
