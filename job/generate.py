@@ -124,9 +124,9 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
         done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)]
         done_rows = inputs.count_done_rows(files, done, config.limit)
         canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
-        run_canary = canary and config.quality.canary_rows > 0 and not canary_passed and done_rows == 0
+        run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
         units = inputs.pending_units(files, done, config.limit, config.generate.rows_per_shard,
-                                     first_unit_rows=config.quality.canary_rows if run_canary else None)
+                                     first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
         summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
         runs.write_run_json(config, "generate", {
             "identity": ident, "input": {"uri": config.input, "num_files": len(files), "num_rows": total_rows},
@@ -176,7 +176,9 @@ def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: 
                 verdict = quality.canary_verdict(tracker.totals, config.quality)
                 if verdict:
                     tracker.close()
-                    raise CanaryFailed(verdict)
+                    runs.write_run_json(config, "generate", {"status": "canary_failed"})
+                    raise CanaryFailed(f"{verdict}\nThe {summary.num_rows} rows written so far stay in "
+                                       f"{config.output} for inspection; after fixing, run into a new --output.")
                 print(f"canary passed on the first {canary_rows} rows", flush=True)
                 runs.write_run_json(config, "generate", {"canary_passed": True})
     summary.generation_seconds = time.monotonic() - window_start if window_start else 0.0

@@ -1,0 +1,101 @@
+"""Input or config a user must fix is refused up front with one clear message (exit 2), before any engine starts
+and before anything is written to the output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+from conftest import DEMO_CONFIG, REPO, simple_prompts, write_prompts
+
+from job.cli import main
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    rc = main(list(args))
+    return rc, capsys.readouterr().err
+
+
+def generate_args(tiny_model_dir, inp, out):
+    return ["generate", "--config", DEMO_CONFIG, "--model", tiny_model_dir, "--input", str(inp), "--output", str(out)]
+
+
+def _input(tmp_path, case: str) -> str:
+    d = tmp_path / "in"
+    if case == "missing":
+        return str(tmp_path / "does-not-exist")
+    if case == "empty_dir":
+        d.mkdir()
+        (d / "readme.txt").write_text("no parquet here")
+    elif case == "corrupt":
+        d.mkdir()
+        (d / "part-000.parquet").write_bytes(b"this is not parquet at all" * 10)
+    elif case == "no_id":
+        write_prompts(d, [{"key": 1, "prompt": "hi"}])
+    elif case == "no_prompt":
+        write_prompts(d, [{"id": 1, "text": "hi"}])
+    elif case == "null_id":
+        write_prompts(d, [{"id": 1, "prompt": "a"}, {"id": None, "prompt": "b"}])
+    elif case == "duplicate_id":  # the duplicate is across two files
+        write_prompts(d, [{"id": "x", "prompt": "a"}, {"id": "y", "prompt": "b"}, {"id": "x", "prompt": "c"},
+                          {"id": "z", "prompt": "d"}], num_files=2)
+    elif case == "schema_mismatch":
+        write_prompts(d / "a", [{"id": 1, "prompt": "a"}])
+        write_prompts(d / "b", [{"id": "2", "prompt": "b"}])
+    return str(d)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "no such file or directory"),
+    ("empty_dir", "no .parquet files"),
+    ("corrupt", "not a readable parquet file"),
+    ("no_id", "no `id` column"),
+    ("no_prompt", "neither a `prompt` nor a `messages` column"),
+    ("null_id", "null `id`"),
+    ("duplicate_id", "duplicate id"),
+    ("schema_mismatch", "disagree on their schema"),
+])
+def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys, tiny_model_dir, case, words):
+    out = tmp_path / "run"
+    rc, err = run_cli(capsys, *generate_args(tiny_model_dir, _input(tmp_path, case), out))
+    assert rc == 2
+    assert err.startswith("error: ") and words in err, err
+    assert "Traceback" not in err
+    assert not out.exists(), "nothing is written for refused input"
+
+
+def test_missing_bucket_is_refused(tmp_path, capsys, tiny_model_dir, s3_server):
+    rc, err = run_cli(capsys, *generate_args(tiny_model_dir, "s3://no-such-bucket-here/prompts", tmp_path / "run"))
+    assert rc == 2 and "no-such-bucket-here" in err, err
+
+
+@pytest.mark.parametrize("content, words", [
+    ("model: x\noutput: y\nbogus_key: 1\n", "unknown key(s) ['bogus_key']"),
+    ("model: x\noutput: y\ngenerate: {rows_per_shard: 0}\n", "rows_per_shard must be >= 1"),
+    ("model: [unclosed\n", "not valid YAML"),
+])
+def test_bad_config_is_refused(tmp_path, capsys, content, words):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(content)
+    rc, err = run_cli(capsys, "generate", "--config", str(cfg), "--input", str(tmp_path))
+    assert rc == 2 and words in err, err
+
+
+def test_missing_model_is_refused(tmp_path, capsys):
+    inp = write_prompts(tmp_path / "in", simple_prompts(3))
+    rc, err = run_cli(capsys, "generate", "--config", DEMO_CONFIG, "--model", str(tmp_path / "nope"),
+                      "--input", inp, "--output", str(tmp_path / "run"))
+    assert rc == 2 and "no such directory" in err, err
+
+
+def test_user_error_from_the_command_line_has_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "job", "generate", "--config", DEMO_CONFIG, "--input",
+                           str(tmp_path / "missing"), "--output", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: input")
+    assert "Traceback" not in proc.stderr
