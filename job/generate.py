@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -147,6 +148,11 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
             engines = num_engines(config)
             _follow(config, _start_pipeline(config, units, carried, chat_template, engines), summary,
                     total_rows, done_rows, run_canary)
+        except Exception as e:
+            user_error = _user_error_inside(e)
+            if user_error is not None:  # a storage or input error inside an actor: its message, not Ray's trace
+                raise user_error from None
+            raise
         finally:
             if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
                 ray.shutdown()
@@ -155,6 +161,22 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
         report.write_report(config.output, config.storage)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _user_error_inside(e: BaseException) -> BaseException | None:
+    """The StorageError / InputError that a Ray task failure wraps, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (storage.StorageError, inputs.InputError)):
+            return e
+        # Ray Data re-raises UDF errors with the remote traceback as text: recover the message from it.
+        for cls in (storage.StorageError, inputs.InputError):
+            m = re.search(rf"{cls.__module__}\.{cls.__name__}: (.+)", str(e))
+            if m:
+                return cls(m.group(1).strip())
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
 
 
 def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: int, done_rows: int,

@@ -72,10 +72,19 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
-# Substrings of transient S3 / network errors as pyarrow reports them. Anything else (AccessDenied,
-# NoSuchBucket, a missing file) is not retried: retrying a user error only delays its message.
-_TRANSIENT = ("SlowDown", "503", "500", "InternalError", "ServiceUnavailable", "connection", "Connection",
-              "reset", "timed out", "Timeout", "curlCode", "Broken pipe", "RequestTimeout")
+# Transient S3 / network errors, as pyarrow's AWS SDK words them ("AWS Error SLOW_DOWN", "NETWORK_CONNECTION",
+# "curlCode: 56, Failure when receiving data", HTTP 500/503), matched case- and underscore-insensitively.
+# Anything else (ACCESS_DENIED, NoSuchBucket, a missing file) is not retried: retrying a user error only delays
+# its message.
+_TRANSIENT = ("slowdown", "503", "500", "internalerror", "internalfailure", "serviceunavailable", "throttl",
+              "networkconnection", "connection", "reset", "timedout", "timeout", "curlcode", "brokenpipe")
+
+
+def _is_transient(e: Exception) -> bool:
+    if isinstance(e, FileNotFoundError):
+        return False
+    text = str(e).lower().replace("_", "").replace(" ", "")
+    return any(t in text for t in _TRANSIENT)
 
 
 def with_retries(fn, *args, what: str, storage: StorageConfig | None = None, **kwargs):
@@ -85,7 +94,7 @@ def with_retries(fn, *args, what: str, storage: StorageConfig | None = None, **k
             return fn(*args, **kwargs)
         except (OSError, pa.ArrowException) as e:
             msg = str(e)
-            if isinstance(e, FileNotFoundError) or not any(t in msg for t in _TRANSIENT):
+            if not _is_transient(e):
                 raise
             if attempt == storage.num_retries - 1:
                 raise StorageError(f"{what}: still failing after {storage.num_retries} attempts: {msg}") from e
@@ -108,6 +117,9 @@ def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> l
     return [join(uri, r) for r in rel]
 
 
+_TEST_WRITE_DELAY_S = float(os.environ.get("DATAGEN_TEST_WRITE_DELAY_S", "0"))
+
+
 def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
     fs, path = resolve(uri, storage)
 
@@ -119,6 +131,8 @@ def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = No
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            if _TEST_WRITE_DELAY_S:  # fault-injection hook: lets tests kill a job in the middle of a write
+                time.sleep(_TEST_WRITE_DELAY_S)
             os.replace(tmp, path)
         else:
             with fs.open_output_stream(path) as out:

@@ -1,0 +1,234 @@
+"""Exactly once under failure, with real Ray, real vLLM (CPU) and a moto S3 server:
+driver killed (also mid-write), engine actor killed, engine process killed (EngineDeadError), engine stalled
+(hang watchdog), transient and persistent S3 faults, a concurrent writer, and config drift on resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import DEMO_CONFIG, REPO, read_run, simple_prompts, write_prompts
+from faulty_proxy import FaultyProxy
+
+from job import storage
+from job.config import load_config
+from job.generate import run_generate
+from job.runs import RunError, WriterLock
+from job.storage import StorageError
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def processes(pattern: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if pattern in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def shards(run: Path) -> list[Path]:
+    return sorted((run / "completions").glob("*.arrow")) if (run / "completions").exists() else []
+
+
+def assert_exactly_once(output: str, rows: list[dict]):
+    ids = read_run(output).column("id").to_pylist()
+    assert Counter(ids) == Counter(str(r["id"]) for r in rows)
+
+
+def small_config_file(tmp_path: Path, **generate) -> str:
+    """configs/demo.yaml with small shards, so a run has many commit points to be killed between."""
+    data = yaml.safe_load(Path(DEMO_CONFIG).read_text())
+    data["generate"].update({"rows_per_shard": 16, **generate})
+    data["quality"]["canary_rows"] = 0
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver killed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moment", ["engine_start", "during_write"])
+def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir, moment):
+    rows = simple_prompts(128)
+    inp = write_prompts(tmp_path / "in", rows, num_files=2)
+    run = tmp_path / "run"
+    cfg = small_config_file(tmp_path)
+    cmd = [sys.executable, "-m", "job", "generate", "--config", cfg, "--model", tiny_model_dir, "--input", inp,
+           "--output", str(run)]
+    # Writes pause 1.5 s between the temp file and the rename, so the kill can land inside a write.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        if moment == "engine_start":
+            wait_for(lambda: processes("EngineCore"), 120, "the engine to start")
+        else:
+            wait_for(lambda: shards(run) and list((run / "completions").glob("*.tmp-*")), 240,
+                     "a shard write in progress")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
+        proc.wait()
+    for p in processes(str(run)) + processes("EngineCore"):  # nothing of the killed job may keep writing
+        p.kill()
+    time.sleep(1)
+
+    done_before = {p.name: p.stat().st_mtime_ns for p in shards(run)}
+    for p in shards(run):  # every visible shard is whole
+        assert storage.read_shard(str(p)).num_rows > 0
+    if moment == "during_write":
+        assert done_before, "the kill landed after the first shard"
+
+    config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run))
+    summary = run_generate(config)
+    assert summary.num_rows_done_before == sum(storage.read_shard(str(run / n)).num_rows for n in done_before)
+    assert summary.num_rows == len(rows) - summary.num_rows_done_before, "done work is not redone"
+    assert_exactly_once(str(run), rows)
+    for name, mtime in done_before.items():
+        assert (run / "completions" / name).stat().st_mtime_ns == mtime, "a committed shard was rewritten"
+
+    # Resuming with other sampling settings is refused, unless forced.
+    with pytest.raises(RunError, match="different settings.*sampling"):
+        run_generate(load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
+                                 **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}}))
+    forced = run_generate(load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
+                                      **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}}), force=True)
+    assert forced.already_complete
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Actor / engine failures inside a running job
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
+    """Run a job in this process while `fault(run_dir)` runs in a thread once the first shard is written."""
+    rows = simple_prompts(96)
+    inp = write_prompts(tmp_path / "in", rows)
+    run = tmp_path / "run"
+    config = load_config(small_config_file(tmp_path, **generate), model=tiny_model_dir, input=inp,
+                         output=str(run))
+    errors = []
+
+    def inject():
+        try:
+            wait_for(lambda: shards(run), 240, "the first shard")
+            fault()
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=inject, daemon=True)
+    t.start()
+    summary = run_generate(config)
+    t.join(5)
+    assert not errors, errors
+    assert summary.num_rows == len(rows)
+    assert_exactly_once(str(run), rows)
+
+
+def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
+    def kill_actor():
+        victims = processes("ray::MapWorker")
+        assert victims, "no engine actor process found"
+        for p in victims:
+            p.kill()
+
+    _run_with_fault(tmp_path, tiny_model_dir, kill_actor)
+
+
+def test_engine_death_replaces_the_actor(tmp_path, tiny_model_dir):
+    """SIGKILL of vLLM's EngineCore: the actor sees EngineDeadError and must die, not retry on a dead engine."""
+    def kill_engine():
+        victims = processes("EngineCore")
+        assert victims, "no EngineCore process found"
+        for p in victims:
+            p.kill()
+
+    _run_with_fault(tmp_path, tiny_model_dir, kill_engine)
+
+
+def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
+    stopped: list[psutil.Process] = []
+
+    def stall_engine():  # a real stall: the engine process stops running, its requests never finish
+        victims = processes("EngineCore")
+        assert victims, "no EngineCore process found"
+        for p in victims:
+            p.suspend()
+            stopped.append(p)
+
+    try:
+        _run_with_fault(tmp_path, tiny_model_dir, stall_engine, hang_timeout_s=8)
+    finally:
+        for p in stopped:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Storage faults (a fault-injecting proxy in front of the moto server)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_transient_s3_errors_are_retried(tmp_path, make_config, s3_server, s3_bucket):
+    rows = simple_prompts(48)
+    inp = write_prompts(tmp_path / "in", rows)
+    port = int(s3_server.rsplit(":", 1)[1])
+    with FaultyProxy(port, fail_every=3, reset_every=7) as proxy:
+        config = make_config(input=inp, output=f"s3://{s3_bucket}/run", **{
+            "storage.endpoint_url": proxy.url, "storage.retry_base_s": 0.05, "generate.rows_per_shard": 16,
+            "quality.canary_rows": 0})
+        summary = run_generate(config)
+        assert proxy.num_faults >= 5, "faults were injected"
+    assert summary.num_rows == len(rows)
+    assert_exactly_once(config.output, rows)
+
+
+def test_persistent_s3_errors_fail_clearly_with_nothing_half_written(tmp_path, make_config, s3_server, s3_bucket):
+    rows = simple_prompts(32)
+    inp = write_prompts(tmp_path / "in", rows)
+    port = int(s3_server.rsplit(":", 1)[1])
+    with FaultyProxy(port, match=f"PUT /{s3_bucket}/run/completions", fail_always=True) as proxy:
+        config = make_config(input=inp, output=f"s3://{s3_bucket}/run", **{
+            "storage.endpoint_url": proxy.url, "storage.retry_base_s": 0.05, "storage.num_retries": 3,
+            "generate.rows_per_shard": 16, "quality.canary_rows": 0})
+        with pytest.raises(StorageError, match="still failing after 3 attempts"):
+            run_generate(config)
+    assert storage.list_files(f"s3://{s3_bucket}/run/completions", ".arrow") == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two jobs, one output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_second_writer_is_refused(tmp_path, make_config):
+    inp = write_prompts(tmp_path / "in", simple_prompts(4))
+    config = make_config(input=inp, output=str(tmp_path / "run"))
+    with WriterLock(config, "generate"):
+        with pytest.raises(RunError, match="another job is writing to this output"):
+            run_generate(config)
