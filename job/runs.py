@@ -95,6 +95,22 @@ def read_run_json(output: str, storage_config) -> dict | None:
     return storage.read_json(uri, storage_config) if storage.exists(uri, storage_config) else None
 
 
+def _owner_is_dead(owner: str) -> bool:
+    """True when the lock was taken on this host by a process that no longer exists (a killed driver rerun on
+    the same machine resumes at once instead of waiting for the lock to go stale)."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 class WriterLock:
     """A heartbeat lock object at `<output>/lock.json`.
 
@@ -120,7 +136,7 @@ class WriterLock:
         if storage.exists(self.uri, self.storage) and not self.force:
             held = storage.read_json(self.uri, self.storage)
             age = time.time() - float(held.get("heartbeat", 0))
-            if age < LOCK_STALE_S:
+            if age < LOCK_STALE_S and not _owner_is_dead(str(held.get("owner", ""))):
                 raise RunError(f"another job is writing to this output right now ({held.get('stage')} by "
                                f"{held.get('owner')}, heartbeat {age:.0f} s ago). Wait for it to finish, or if it is "
                                f"dead, rerun in {LOCK_STALE_S - age:.0f} s (its lock goes stale) or pass --force.")

@@ -103,7 +103,7 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
 
     config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run))
     summary = run_generate(config)
-    assert summary.num_rows_done_before == sum(storage.read_shard(str(run / n)).num_rows for n in done_before)
+    assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows for n in done_before)
     assert summary.num_rows == len(rows) - summary.num_rows_done_before, "done work is not redone"
     assert_exactly_once(str(run), rows)
     for name, mtime in done_before.items():

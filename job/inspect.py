@@ -1,0 +1,635 @@
+"""What `notebooks/inspect_outputs.ipynb` shows, as plain functions: load a run, compute, plot.
+
+    RUN_DIR=demo-run jupyter notebook notebooks/inspect_outputs.ipynb      # or s3://bucket/runs/x
+
+    from job import inspect as ji
+    rows = ji.read_rows("demo-run")              # small per-row columns of every completion shard
+    ji.plot_length_histograms(ji.token_lengths(rows))
+    for row in ji.fetch_rows("demo-run", rows, ji.worst_rows(rows, "repetition", 3)):
+        print(ji.render_sample(row))
+
+Compute functions return plain data (dicts, lists, numpy arrays, pyarrow tables); `plot_*` functions take that
+data and return a matplotlib `Figure` built with the object API (no pyplot, no GUI backend: they render with Agg,
+headless, and a notebook displays them inline).
+
+Cost on a real run: `read_rows` fetches only the small columns of each shard (ranged reads: the Arrow IPC footer
+locates the buffers, token lists and texts stay in the bucket), ~16 columns × 4 bytes per row, a few hundred MB
+read for 1M rows. Texts are read only for the handful of rows shown (`fetch_rows` opens just their shards), and
+hidden states only for the first `max_samples` samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+
+from job import schema, storage
+from job.report import completion_shards, error_kind
+from job.runs import read_run_json
+from job.storage import StorageConfig
+
+SHARD = "shard"
+"""Column `read_rows` adds: the URI of the completion shard a row lives in (so its text can be fetched)."""
+
+ROW_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
+               schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR]
+
+LENGTHS = {"prompt": schema.NUM_PROMPT_TOKENS, "reasoning": schema.NUM_REASONING_TOKENS,
+           "answer": schema.NUM_ANSWER_TOKENS, "output": schema.NUM_OUTPUT_TOKENS}
+
+# How to rank the rows of one flag, worst first: (column, largest first?, what the ranking means).
+SEVERITY = {
+    schema.FLAG_TOO_SHORT: (schema.NUM_OUTPUT_TOKENS, False, "fewest output tokens"),
+    schema.FLAG_UNCLOSED_THINK: (schema.NUM_OUTPUT_TOKENS, True, "longest output that never closed </think>"),
+    schema.FLAG_EMPTY_ANSWER: (schema.NUM_REASONING_TOKENS, True, "most reasoning tokens for no answer"),
+    schema.FLAG_TRUNCATED: (schema.NUM_OUTPUT_TOKENS, True, "longest output cut at max_tokens"),
+    schema.FLAG_REPETITION: (schema.NUM_OUTPUT_TOKENS, True, "longest repetitive output"),
+    schema.FLAG_TEMPLATE_MISMATCH: (schema.NUM_OUTPUT_TOKENS, False, "fewest output tokens (what a wrong template "
+                                                                    "does to a model)"),
+}
+assert set(SEVERITY) == set(schema.QUALITY_FLAGS)
+
+BYTES_PER_TOKEN_EXTRA = 4 + 1  # input_ids (int32) + loss_mask (uint8) stored next to each token's features
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run: where it is, what it was made with
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def resolve_run_dir(run_dir: str, repo_root: str | None = None) -> str:
+    """`RUN_DIR` as given when it is an s3:// URI or exists from the current directory; else relative to the repo
+    root (so `RUN_DIR=demo-run` works from the repo root and from notebooks/ alike)."""
+    if storage.is_s3(run_dir) or os.path.isabs(run_dir) or os.path.exists(run_dir):
+        return run_dir if storage.is_s3(run_dir) else os.path.abspath(run_dir)
+    root = repo_root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    candidate = os.path.join(root, run_dir)
+    return candidate if os.path.exists(candidate) else os.path.abspath(run_dir)
+
+
+def run_overview(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
+    """run.json, condensed: model, sampling, stage statuses, versions, git sha, and the full config."""
+    run = read_run_json(run_uri, storage_config)
+    if run is None:
+        raise ValueError(f"{run_uri}: no {schema.RUN_JSON} there, so it is not a run directory. Set RUN_DIR to the "
+                         "--output of a `python -m job generate` run (local path or s3:// URI).")
+    config, gen = run.get("config", {}), run.get("generate", {})
+    hs = run.get("hidden_states", {})  # stage 2's section of run.json
+    return {
+        "run": run_uri,
+        "created_at": run.get("created_at"),
+        "git_sha": run.get("git_sha"),
+        "versions": run.get("versions", {}),
+        "model": config.get("model"),
+        "input": gen.get("input", {}),
+        "rows_total": gen.get("input", {}).get("num_rows"),
+        "sampling": gen.get("sampling") or config.get("generate", {}).get("sampling", {}),
+        "enable_thinking": config.get("generate", {}).get("enable_thinking"),
+        "engine_kwargs": config.get("engine_kwargs", {}),
+        "generate_status": gen.get("status", "not started"),
+        "canary_passed": gen.get("canary_passed"),
+        "hidden_states_status": hs.get("status", "not started"),
+        "hidden_states_config": config.get("hidden_states", {}),
+        "hidden_states_estimate": hs.get("estimate"),
+        "config": config,
+    }
+
+
+def format_overview(ov: dict) -> str:
+    sampling = ", ".join(f"{k}={v}" for k, v in sorted(ov["sampling"].items())) or "?"
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(ov["versions"].items())) or "?"
+    rows = f"{ov['rows_total']:,}" if ov["rows_total"] is not None else "?"
+    return "\n".join([
+        f"run        {ov['run']}",
+        f"created    {ov['created_at'] or '?'}   git {(ov['git_sha'] or '?')[:12]}",
+        f"model      {ov['model']}",
+        f"input      {ov['input'].get('uri', '?')}: {rows} rows in {ov['input'].get('num_files', '?')} files",
+        f"sampling   {sampling}; thinking {'on' if ov['enable_thinking'] else 'off'}",
+        f"engine     " + (", ".join(f"{k}={v}" for k, v in sorted(ov["engine_kwargs"].items())) or "defaults"),
+        f"stage 1    {ov['generate_status']}" + ("" if ov["canary_passed"] is None else
+                                                 f" (canary {'passed' if ov['canary_passed'] else 'not passed'})"),
+        f"stage 2    {ov['hidden_states_status']}; layers {ov['hidden_states_config'].get('layer_ids', '?')}, "
+        f"{ov['hidden_states_config'].get('dtype', '?')}",
+        f"versions   {versions}",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-row small columns, read column by column
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_columns(uri: str, columns: list[str], storage_config: StorageConfig | None) -> pa.Table:
+    """Only the named columns of one Arrow IPC file (those it has): ranged reads through the file's footer."""
+    fs, path = storage.resolve(uri, storage_config)
+
+    def read():
+        with fs.open_input_file(path) as f:
+            names = ipc.open_file(f).schema.names
+            wanted = [names.index(c) for c in columns if c in names]
+            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
+
+    return storage.with_retries(read, what=f"read {uri}", storage=storage_config)
+
+
+def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
+              num_threads: int = 16) -> pa.Table:
+    """The small columns of every completion shard (default ROW_COLUMNS), plus `shard`: its URI."""
+    columns = columns or ROW_COLUMNS
+    shards = completion_shards(run_uri, storage_config)
+    with ThreadPoolExecutor(num_threads) as pool:
+        tables = list(pool.map(lambda u: _read_columns(u, columns, storage_config), shards))
+    tables = [t.select([c for c in columns if c in t.column_names])
+              .append_column(SHARD, pa.array([uri] * t.num_rows, pa.string())) for uri, t in zip(shards, tables)]
+    if not tables:  # no shard yet: the same columns, no rows
+        empty = schema.completion_schema().empty_table().select([c for c in columns if c in schema.COMPLETION_COLUMNS])
+        return empty.append_column(SHARD, pa.array([], pa.string()))
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def _ok(rows: pa.Table) -> np.ndarray:
+    return ~rows.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
+
+
+def _ints(rows: pa.Table, name: str) -> np.ndarray:
+    return rows.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _bools(rows: pa.Table, name: str) -> np.ndarray:
+    return rows.column(name).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quality: flag rates, finish reasons, error kinds
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flag_rates(report: dict) -> list[tuple[str, int, float]]:
+    """(name, count, rate) per quality flag (share of non-error rows), then `error` (share of all rows), from
+    `job.report.build_report`: the notebook and `python -m job report` show the same numbers."""
+    out = [(flag, v["count"], v["rate"]) for flag, v in report["flags"].items()]
+    done = report["rows_done"]
+    out.append(("error", report["rows_error"], report["rows_error"] / done if done else 0.0))
+    return out
+
+
+def plot_flag_rates(report: dict):
+    from matplotlib.figure import Figure
+
+    rates = flag_rates(report)
+    fig = Figure(figsize=(8, 0.45 * len(rates) + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    names = [n for n, _, _ in rates][::-1]
+    values = [100 * r for _, _, r in rates][::-1]
+    colors = ["#c0392b" if n == "error" else "#2e86c1" for n in names]
+    bars = ax.barh(names, values, color=colors)
+    for bar, (_, count, rate) in zip(bars, rates[::-1]):
+        ax.text(bar.get_width() + 0.5, bar.get_y() + bar.get_height() / 2, f"{rate:.1%}  ({count:,})",
+                va="center", fontsize=9)
+    ax.set_xlim(0, max(100.0, max(values, default=0) * 1.25))
+    ax.set_xlabel("% of rows (flags: of non-error rows; error: of all rows)")
+    ax.set_title(f"quality flags over {report['rows_done']:,} rows")
+    return fig
+
+
+def error_examples(rows: pa.Table) -> dict[str, dict]:
+    """{error kind: {count, id, error}} with the first row of each kind as its example, most common first."""
+    errors = rows.column(schema.ERROR).to_pylist()
+    ids = rows.column(schema.ID).to_pylist()
+    counts, first = Counter(), {}
+    for row_id, message in zip(ids, errors):
+        if message is None:
+            continue
+        kind = error_kind(message)
+        counts[kind] += 1
+        first.setdefault(kind, (row_id, message))
+    return {kind: {"count": n, "id": first[kind][0], "error": first[kind][1]} for kind, n in counts.most_common()}
+
+
+def format_counts(counts: dict, total: int | None = None) -> str:
+    if not counts:
+        return "  none"
+    total = total or sum(counts.values())
+    return "\n".join(f"  {k:<24} {v:>10,}  {v / total:6.1%}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Length distributions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def token_lengths(rows: pa.Table) -> dict[str, np.ndarray]:
+    """Tokens per non-error row: prompt, reasoning, answer, output."""
+    ok = _ok(rows)
+    return {name: _ints(rows, column)[ok] for name, column in LENGTHS.items()}
+
+
+def histogram(values: np.ndarray, num_bins: int = 40) -> dict:
+    """Bins for one length distribution. Log-spaced when the positive values span more than a factor of 20
+    (prompt and output lengths usually do); zeros cannot sit on a log axis and are counted apart."""
+    values = np.asarray(values)
+    positive = values[values > 0]
+    num_zero = int((values == 0).sum())
+    if len(positive) == 0:
+        return {"edges": np.array([0.0, 1.0]), "counts": np.array([0]), "log_x": False, "num_zero": num_zero,
+                "num_values": len(values)}
+    lo, hi = float(positive.min()), float(positive.max())
+    log_x = hi / lo > 20
+    if log_x:
+        edges = np.geomspace(lo, hi * 1.0001, num_bins + 1)
+    else:
+        edges = np.linspace(lo - 0.5, hi + 0.5, min(num_bins, int(hi - lo) + 1) + 1)
+    counts, _ = np.histogram(positive, bins=edges)
+    return {"edges": edges, "counts": counts, "log_x": log_x, "num_zero": num_zero, "num_values": len(values)}
+
+
+def plot_length_histograms(lengths: dict[str, np.ndarray], max_tokens: int | None = None, num_bins: int = 40):
+    """One panel per length; a dashed line at `max_tokens` on the output panel (rows there were cut)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 2.6 * -(-len(lengths) // 2)), layout="constrained")
+    axes = fig.subplots(-(-len(lengths) // 2), 2, squeeze=False).ravel()
+    for ax, (name, values) in zip(axes, lengths.items()):
+        h = histogram(values, num_bins)
+        ax.stairs(h["counts"], h["edges"], fill=True, color="#5d6d7e")
+        if h["log_x"]:
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        nonzero = h["counts"][h["counts"] > 0]
+        if len(nonzero) and nonzero.max() > 50 * np.median(nonzero):
+            ax.set_yscale("log")  # a long tail next to a tall peak
+        p50 = float(np.median(values)) if len(values) else 0.0
+        zeros = f", {h['num_zero']:,} at 0" if h["num_zero"] else ""
+        ax.set_title(f"{name} tokens: {len(values):,} rows, median {p50:,.0f}{zeros}", fontsize=10)
+        if name == "output" and max_tokens:
+            ax.axvline(max_tokens, color="#c0392b", linestyle="--", linewidth=1)
+            ax.text(max_tokens, ax.get_ylim()[1] * 0.9, " max_tokens", color="#c0392b", fontsize=8, ha="right")
+        ax.set_xlabel("tokens" + (" (log)" if h["log_x"] else ""))
+        ax.set_ylabel("rows")
+    for ax in axes[len(lengths):]:
+        ax.set_visible(False)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samples: pick rows, fetch their text, render them readably
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pick_rows(rows: pa.Table, n: int = 3, seed: int = 0) -> list[str]:
+    """`n` non-error row ids at random (the same ones for the same run and seed)."""
+    ids = np.array(rows.column(schema.ID).to_pylist(), dtype=object)[_ok(rows)]
+    if len(ids) <= n:
+        return list(ids)
+    return [str(ids[i]) for i in sorted(np.random.default_rng(seed).choice(len(ids), n, replace=False))]
+
+
+def worst_rows(rows: pa.Table, flag: str, n: int = 3) -> list[str]:
+    """Ids of up to `n` non-error rows carrying `flag`, worst first by SEVERITY[flag] (ties: input order)."""
+    column, largest_first, _ = SEVERITY[flag]
+    mask = _ok(rows) & _bools(rows, flag)
+    idx = np.flatnonzero(mask)
+    keys = _ints(rows, column)[idx]
+    order = np.argsort(-keys if largest_first else keys, kind="stable")
+    ids = rows.column(schema.ID).to_pylist()
+    return [ids[i] for i in idx[order][:n]]
+
+
+def fetch_rows(run_uri: str, rows: pa.Table, ids: list[str], storage_config: StorageConfig | None = None) -> list[dict]:
+    """Full completion rows (texts, token ids, carried input columns) for `ids`, in that order; reads only the
+    shards that hold them."""
+    shard_of = dict(zip(rows.column(schema.ID).to_pylist(), rows.column(SHARD).to_pylist()))
+    missing = [i for i in ids if i not in shard_of]
+    if missing:
+        raise KeyError(f"ids not in this run: {missing[:5]}")
+    found = {}
+    for uri in dict.fromkeys(shard_of[i] for i in ids):
+        table = storage.read_shard(uri, storage_config)
+        wanted = set(ids)
+        for row in table.to_pylist():
+            if row[schema.ID] in wanted:
+                found[row[schema.ID]] = row
+    return [found[i] for i in ids]
+
+
+def load_tokenizer(model: str | None):
+    """The run's tokenizer when it is on this machine (local dir or HF cache), else None: never downloads."""
+    if not model:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tqdm's "IProgress not found" when transformers loads in a notebook
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:  # not cached here, gated, no network: samples render without the exact prompt text
+        return None
+
+
+def clip_text(text: str | None, max_chars: int) -> str:
+    """`text` cut in the middle to at most ~max_chars, saying how much was left out."""
+    if text is None:
+        return "(null)"
+    if len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return f"{text[:half]}\n  … [{len(text) - 2 * half:,} chars not shown] …\n{text[-half:]}"
+
+
+def _input_text(row: dict) -> str:
+    messages = row.get(schema.MESSAGES)
+    if messages:
+        return "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in messages)
+    if row.get(schema.PROMPT) is not None:
+        return f"[user] {row[schema.PROMPT]}"
+    return "(the input's prompt/messages columns were not carried into this shard)"
+
+
+def render_sample(row: dict, tokenizer=None, max_chars: int = 1200) -> str:
+    """A completion row as readable text: a header line (id, tokens, finish reason, flags set), then PROMPT,
+    REASONING, ANSWER. With the run's tokenizer the prompt is shown exactly as the engine saw it (chat template
+    and special tokens included: the place to spot a wrong template), else the input text."""
+    flags = [f for f in schema.QUALITY_FLAGS if row.get(f)]
+    head = (f"── {row[schema.ID]} ── prompt {row.get(schema.NUM_PROMPT_TOKENS)} tok · reasoning "
+            f"{row.get(schema.NUM_REASONING_TOKENS)} · answer {row.get(schema.NUM_ANSWER_TOKENS)} · finish "
+            f"{row.get(schema.FINISH_REASON)} · flags: {', '.join(flags) or 'none'}")
+    if row.get(schema.ERROR) is not None:
+        return f"{head}\nERROR      {row[schema.ERROR]}\nINPUT\n{clip_text(_input_text(row), max_chars)}"
+    if tokenizer is not None and row.get(schema.PROMPT_TOKEN_IDS):
+        prompt = ("PROMPT (token ids decoded, as the engine saw them)\n"
+                  + tokenizer.decode(row[schema.PROMPT_TOKEN_IDS], skip_special_tokens=False))
+    else:
+        prompt = "PROMPT (input text)\n" + _input_text(row)
+    return "\n".join([head, clip_text(prompt, max_chars), "REASONING", clip_text(row.get(schema.REASONING),
+                     max_chars), "ANSWER", clip_text(row.get(schema.ANSWER), max_chars)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hidden states: shapes, norms, zero/NaN checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hidden_state_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
+    return storage.list_files(storage.join(run_uri, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
+
+
+def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = None) -> dict | None:
+    """From the first shard's schema metadata: model, layer ids, convention, dtype, hidden size; None if no shard."""
+    shards = hidden_state_shards(run_uri, storage_config)
+    if not shards:
+        return None
+    fs, path = storage.resolve(shards[0], storage_config)
+
+    def read_schema():
+        with fs.open_input_file(path) as f:
+            return ipc.open_file(f).schema
+
+    meta = storage.with_retries(read_schema, what=f"read {shards[0]}", storage=storage_config).metadata
+    layer_ids = json.loads(meta[schema.META_LAYER_IDS])
+    dtype, hidden = meta[schema.META_DTYPE].decode(), int(meta[schema.META_HIDDEN_SIZE])
+    return {"model": meta[schema.META_MODEL].decode(), "layer_ids": layer_ids, "dtype": dtype, "hidden_size": hidden,
+            "layer_convention": meta[schema.META_LAYER_CONVENTION].decode(), "num_shards": len(shards),
+            "bytes_per_token": len(layer_ids) * hidden * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA}
+
+
+def summarize_hidden_states(run_uri: str, max_samples: int = 64, num_traces: int = 2,
+                            storage_config: StorageConfig | None = None) -> dict | None:
+    """Shapes, dtype and per-layer statistics of the first `max_samples` samples (via job.hidden_states.load),
+    with the problems a trainer would choke on named: NaN/inf, all-zero token vectors, a loss mask that is not
+    0…0 1…1, input_ids and features of different lengths. Keeps per-token norms of `num_traces` samples for
+    `plot_layer_norms`. None when the run has no hidden-state shards."""
+    from job.hidden_states import load
+
+    if not hidden_state_shards(run_uri, storage_config):
+        return None
+    layer_ids, hidden, dtype = None, None, None
+    samples, traces, problems = [], [], []
+    per_layer_rms, zero_tokens, nonfinite_tokens, num_tokens = [], None, None, 0
+    for i, rec in enumerate(load(run_uri, storage_config)):
+        if i >= max_samples:
+            break
+        hs = rec[schema.HIDDEN_STATES]
+        n, num_layers, hidden = hs.shape
+        layer_ids, dtype = rec["layer_ids"], str(hs.dtype).replace("torch.", "")
+        x = hs.float()
+        finite = x.isfinite().all(dim=-1)                       # [n, L]
+        norms = x.nan_to_num(0.0, 0.0, 0.0).norm(dim=-1)        # [n, L]
+        rms = (norms / hidden ** 0.5).numpy()
+        zeros = (norms == 0).numpy()
+        if zero_tokens is None:
+            zero_tokens, nonfinite_tokens = np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64)
+        zero_tokens += zeros.sum(0)
+        nonfinite_tokens += (~finite).numpy().sum(0)
+        num_tokens += n
+        per_layer_rms.append(rms.mean(0))
+        mask = rec[schema.LOSS_MASK].numpy()
+        input_ids = rec[schema.INPUT_IDS]
+        if len(input_ids) != n or len(mask) != n:
+            problems.append(f"{rec[schema.ID]}: {len(input_ids)} input_ids, {len(mask)} loss_mask, {n} feature rows")
+        if len(mask) and (np.any(np.diff(mask.astype(np.int8)) < 0) or not mask.any()):
+            problems.append(f"{rec[schema.ID]}: loss_mask is not 0 over the prompt then 1 over the completion")
+        samples.append({"id": rec[schema.ID], "shape": tuple(hs.shape), "num_tokens": n,
+                        "num_prompt_tokens": int((mask == 0).sum()), "clipped": bool(rec.get(schema.CLIPPED))})
+        if len(traces) < num_traces:
+            traces.append({"id": rec[schema.ID], "rms": rms, "loss_mask": mask})
+    if not samples:
+        return None
+    per_layer_rms = np.stack(per_layer_rms)  # [samples, L]
+    layers = {}
+    for j, k in enumerate(layer_ids):
+        layers[k] = {"mean_rms": float(per_layer_rms[:, j].mean()), "min_sample_rms": float(per_layer_rms[:, j].min()),
+                     "max_sample_rms": float(per_layer_rms[:, j].max()), "zero_tokens": int(zero_tokens[j]),
+                     "nonfinite_tokens": int(nonfinite_tokens[j])}
+        if nonfinite_tokens[j]:
+            problems.append(f"layer {k}: {nonfinite_tokens[j]:,} of {num_tokens:,} tokens hold NaN/inf")
+        if zero_tokens[j]:
+            problems.append(f"layer {k}: {zero_tokens[j]:,} of {num_tokens:,} tokens are all zero")
+    for a in range(len(layer_ids)):
+        for b in range(a + 1, len(layer_ids)):
+            if np.allclose(per_layer_rms[:, a], per_layer_rms[:, b], rtol=1e-6, atol=0):
+                problems.append(f"layers {layer_ids[a]} and {layer_ids[b]} have identical norms: the same layer "
+                                "stored twice?")
+    return {"layer_ids": layer_ids, "hidden_size": hidden, "dtype": dtype, "num_samples": len(samples),
+            "num_tokens": num_tokens, "samples": samples, "layers": layers, "sample_rms": per_layer_rms,
+            "traces": traces, "problems": problems}
+
+
+def format_hidden_summary(summary: dict) -> str:
+    lines = [f"{summary['num_samples']} samples read, {summary['num_tokens']:,} tokens; hidden_states per sample: "
+             f"[num_tokens, {len(summary['layer_ids'])}, {summary['hidden_size']}] {summary['dtype']}; "
+             f"layers {summary['layer_ids']}"]
+    lines += [f"  {s['id']}: shape {list(s['shape'])}, prompt {s['num_prompt_tokens']} tokens (loss_mask 0), "
+              f"completion {s['num_tokens'] - s['num_prompt_tokens']}" + (", clipped" if s["clipped"] else "")
+              for s in summary["samples"][:3]]
+    lines.append("layer   RMS (mean of samples)  sample RMS min..max   zero tokens   NaN/inf tokens")
+    lines += [f"  {k:<5} {v['mean_rms']:21.4f}  {v['min_sample_rms']:9.4f}..{v['max_sample_rms']:<9.4f}"
+              f"   {v['zero_tokens']:>11,}   {v['nonfinite_tokens']:>14,}" for k, v in summary["layers"].items()]
+    lines.append("checks: " + ("all passed (no NaN/inf, no all-zero vectors, loss masks 0…0 1…1, lengths agree)"
+                               if not summary["problems"] else "PROBLEMS\n  " + "\n  ".join(summary["problems"])))
+    return "\n".join(lines)
+
+
+def check_token_alignment(run_uri: str, rows: pa.Table, max_samples: int = 8,
+                          storage_config: StorageConfig | None = None) -> list[str]:
+    """Stage 2 must run over exactly stage 1's token ids (never a re-applied template): compare the first
+    samples' input_ids and loss masks with prompt_token_ids + output_token_ids of the same completion rows.
+    Returns mismatches (empty: aligned)."""
+    from job.hidden_states import load
+
+    records = []
+    for i, rec in enumerate(load(run_uri, storage_config)):
+        if i >= max_samples:
+            break
+        records.append((rec[schema.ID], rec[schema.INPUT_IDS].numpy().copy(), rec[schema.LOSS_MASK].numpy().copy(),
+                        bool(rec.get(schema.CLIPPED))))
+    completions = {r[schema.ID]: r for r in fetch_rows(run_uri, rows, [r[0] for r in records], storage_config)}
+    problems = []
+    for row_id, input_ids, mask, clipped in records:
+        row = completions[row_id]
+        prompt, output = row[schema.PROMPT_TOKEN_IDS] or [], row[schema.OUTPUT_TOKEN_IDS] or []
+        expected = np.array(prompt + output, dtype=np.int64)[:len(input_ids)]
+        if (len(expected) != len(input_ids) or (not clipped and len(input_ids) != len(prompt) + len(output))
+                or not np.array_equal(expected, input_ids)):
+            problems.append(f"{row_id}: input_ids differ from stage 1's prompt_token_ids + output_token_ids")
+        elif int((mask == 0).sum()) != min(len(prompt), len(input_ids)):
+            problems.append(f"{row_id}: loss_mask has {(mask == 0).sum()} zeros, the prompt has {len(prompt)} tokens")
+    return problems
+
+
+def plot_layer_norms(summary: dict):
+    """Left: per-layer RMS of the hidden vectors (mean over samples, bar from the lowest to the highest sample).
+    Right: per-token RMS along the first sample, one line per layer, prompt tokens shaded (loss_mask 0)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, 2])
+    ids = [str(k) for k in summary["layer_ids"]]
+    sample_rms = summary["sample_rms"]
+    mean = sample_rms.mean(0)
+    err = np.stack([mean - sample_rms.min(0), sample_rms.max(0) - mean])
+    left.bar(ids, mean, yerr=err, color="#2e86c1", capsize=4)
+    left.set_xlabel("layer id (output of decoder layer k)")
+    left.set_ylabel("RMS of hidden vector")
+    left.set_title(f"per-layer RMS over {summary['num_samples']} samples", fontsize=10)
+    if summary["traces"]:
+        trace = summary["traces"][0]
+        positions = np.arange(len(trace["loss_mask"]))
+        prompt_len = int((trace["loss_mask"] == 0).sum())
+        right.axvspan(-0.5, prompt_len - 0.5, color="#d5d8dc", label="prompt (loss_mask 0)")
+        for j, k in enumerate(summary["layer_ids"]):
+            right.plot(positions, trace["rms"][:, j], linewidth=0.9, label=f"layer {k}")
+        right.set_yscale("log")
+        right.set_xlabel("token position")
+        right.set_ylabel("RMS (log)")
+        right.set_title(f"per-token RMS, sample {trace['id']}", fontsize=10)
+        right.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Storage: bytes per token, projected total for the whole input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
+                       storage_config: StorageConfig | None = None) -> dict:
+    """Bytes per token and the hidden-state bytes projected for the whole input.
+
+    Tokens per row are measured on the completions so far (prompt + output, clipped at hidden_states.max_length,
+    error rows and, unless keep_flagged, flagged rows left out) and scaled to all input rows of run.json. Bytes
+    per token come from `layout` (hidden_state_layout: what the shards hold), else from the model's config and
+    the run's layer ids (before stage 2 has run). When shards exist, their size on disk per stored token is
+    measured too (Arrow overhead included)."""
+    ov = run_overview(run_uri, storage_config)
+    hs_config = ov["hidden_states_config"]
+    if layout is None:
+        layout = hidden_state_layout(run_uri, storage_config)
+    if layout is None and ov["model"]:
+        try:
+            from job.extractor import resolve_layer_ids
+            from job.hidden_states import model_shape
+
+            num_layers, hidden = model_shape(ov["model"])
+            layer_ids = resolve_layer_ids(hs_config.get("layer_ids", []), num_layers)
+            dtype = hs_config.get("dtype", "bfloat16")
+            layout = {"layer_ids": layer_ids, "hidden_size": hidden, "dtype": dtype,
+                      "bytes_per_token": len(layer_ids) * hidden * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA}
+        except Exception:  # the model's config.json is not readable from here
+            layout = None
+    ok = _ok(rows)
+    keep = ok.copy()
+    if not hs_config.get("keep_flagged", True):
+        for flag in schema.QUALITY_FLAGS:
+            keep &= ~_bools(rows, flag)
+    max_length = hs_config.get("max_length") or np.iinfo(np.int64).max
+    tokens = np.minimum(_ints(rows, schema.NUM_PROMPT_TOKENS) + _ints(rows, schema.NUM_OUTPUT_TOKENS), max_length)
+    rows_done, rows_total = rows.num_rows, ov["rows_total"] or rows.num_rows
+    kept_tokens = int(tokens[keep].sum())
+    tokens_per_row = kept_tokens / rows_done if rows_done else 0.0  # per input row: skipped rows count as 0
+    out = {"rows_done": rows_done, "rows_total": rows_total, "rows_kept": int(keep.sum()),
+           "tokens_kept_so_far": kept_tokens, "tokens_per_input_row": tokens_per_row,
+           "projected_tokens": int(round(tokens_per_row * rows_total)), "layout": layout,
+           "bytes_per_token": layout["bytes_per_token"] if layout else None,
+           "projected_bytes": int(round(tokens_per_row * rows_total * layout["bytes_per_token"])) if layout else None,
+           "stored_bytes": None, "stored_tokens": None, "stored_bytes_per_token": None,
+           "stage2_estimate": ov["hidden_states_estimate"]}
+    shards = hidden_state_shards(run_uri, storage_config)
+    if shards:
+        fs, _ = storage.resolve(run_uri, storage_config)
+        infos = storage.with_retries(fs.get_file_info, [storage.resolve(u, storage_config)[1] for u in shards],
+                                     what=f"stat {run_uri}/hidden_states", storage=storage_config)
+        with ThreadPoolExecutor(16) as pool:
+            counts = list(pool.map(lambda u: _read_columns(u, [schema.NUM_TOKENS], storage_config), shards))
+        out["stored_bytes"] = int(sum(i.size for i in infos))
+        out["stored_tokens"] = int(sum(pc.sum(t.column(schema.NUM_TOKENS)).as_py() or 0 for t in counts))
+        if out["stored_tokens"]:
+            out["stored_bytes_per_token"] = out["stored_bytes"] / out["stored_tokens"]
+    return out
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def format_projection(p: dict) -> str:
+    lay = p["layout"]
+    if lay:
+        per = (f"{len(lay['layer_ids'])} layers × {lay['hidden_size']} × {lay['dtype']} + {BYTES_PER_TOKEN_EXTRA} B "
+               f"(input_ids, loss_mask) = {p['bytes_per_token']:,} B per token")
+    else:
+        per = "bytes per token unknown: no hidden-state shards, and the model's config.json is not readable here"
+    lines = [per]
+    if p["rows_done"]:
+        lines += [f"tokens   {p['tokens_kept_so_far']:,} kept in {p['rows_done']:,} rows done "
+                  f"({p['tokens_per_input_row']:,.0f} per input row) → ~{p['projected_tokens']:,} for all "
+                  f"{p['rows_total']:,} input rows",
+                  f"total    ~{format_bytes(p['projected_bytes'])} of hidden states for the whole input"]
+    else:
+        lines.append("tokens   no completion rows yet: nothing to project from")
+    if p["stored_bytes"] is not None:
+        per_token = f"{p['stored_bytes_per_token']:,.0f} B per token" if p["stored_bytes_per_token"] else "-"
+        lines.append(f"on disk  {format_bytes(p['stored_bytes'])} in the shards so far for {p['stored_tokens']:,} "
+                     f"tokens ({per_token}, Arrow overhead included)")
+    if p["stage2_estimate"]:
+        e = p["stage2_estimate"]
+        lines.append(f"stage 2  its own estimate at start (run.json): {format_bytes(e['total_bytes'])} for "
+                     f"{e['num_tokens']:,} tokens of the completions it saw")
+    return "\n".join(lines)
