@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test clean up down submit
+.PHONY: install demo test clean up down submit status dashboard
 
 install: $(STAMP)
 
@@ -30,9 +30,14 @@ clean:
 CLUSTER ?= cluster.yaml
 CONFIG ?= configs/qwen3.6-27b.yaml
 up: install
+	test -s ~/.ray/auth_token || .venv/bin/ray get-auth-token --generate >/dev/null  # Ray 2.60 token auth
 	.venv/bin/ray up -y $(CLUSTER)
 down: install
 	.venv/bin/ray down -y $(CLUSTER)
 submit: install
 	.venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-		python -m job generate --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT))
+		python -m job generate --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT)) $(if $(LIMIT),--limit $(LIMIT))
+status: install
+	$(PY) -m job status $(OUTPUT)
+dashboard: install
+	.venv/bin/ray dashboard $(CLUSTER)

@@ -3,6 +3,8 @@
     python -m job generate --config configs/demo.yaml --input PROMPTS --output RUN [--limit N]
     python -m job hidden-states --config configs/demo.yaml --output RUN
     python -m job report RUN
+    python -m job status RUN
+    python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
     python -m job demo
 """
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -48,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", required=True)
     t.add_argument("--train-steps", type=int)
 
+    sub.add_parser("status", help="progress of a run from its run directory alone (see --help)", add_help=False)
+    sub.add_parser("plan", help="time, cost and storage before renting GPUs (see --help)", add_help=False)
+
     d = sub.add_parser("demo", help="both stages end to end on the embedded demo (what `make demo` runs)")
     d.add_argument("--output", default="demo-run")
     return parser
@@ -64,6 +70,9 @@ def _config(args) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["plan"], ["status"]):  # these two own their argument parsing (job/plan.py, job/status.py)
+        return importlib.import_module(f"job.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     from job.generate import CanaryFailed
     from job.inputs import InputError

@@ -147,7 +147,7 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
         try:
             engines = num_engines(config)
             _follow(config, _start_pipeline(config, units, carried, chat_template, engines), summary,
-                    total_rows, done_rows, run_canary)
+                    total_rows, done_rows, run_canary, engines)
         except Exception as e:
             user_error = _user_error_inside(e)
             if user_error is not None:  # a storage or input error inside an actor: its message, not Ray's trace
@@ -180,9 +180,15 @@ def _user_error_inside(e: BaseException) -> BaseException | None:
 
 
 def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: int, done_rows: int,
-            run_canary: bool) -> None:
+            run_canary: bool, engines: int) -> None:
     """Consume the per-unit summaries as units finish: progress line, canary decision, totals."""
-    tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate")
+    with progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
+                           num_engines=engines) as tracker:
+        _consume(config, summaries, summary, tracker, run_canary)
+
+
+def _consume(config: RunConfig, summaries, summary: GenerateSummary, tracker: progress.Progress,
+             run_canary: bool) -> None:
     canary_rows, window_start = 0, None
     for s in summaries:
         if window_start is None:  # the generation window opens when the first finished unit started
@@ -197,14 +203,12 @@ def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: 
             if canary_rows >= config.quality.canary_rows:
                 verdict = quality.canary_verdict(tracker.totals, config.quality)
                 if verdict:
-                    tracker.close()
                     runs.write_run_json(config, "generate", {"status": "canary_failed"})
                     raise CanaryFailed(f"{verdict}\nThe {summary.num_rows} rows written so far stay in "
                                        f"{config.output} for inspection; after fixing, run into a new --output.")
                 print(f"canary passed on the first {canary_rows} rows", flush=True)
                 runs.write_run_json(config, "generate", {"canary_passed": True})
     summary.generation_seconds = time.monotonic() - window_start if window_start else 0.0
-    tracker.close()
 
 
 def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa.Schema,

@@ -1,0 +1,290 @@
+"""Time, cost and storage of a run before renting any GPU.
+
+    python -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 7 \
+        --tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81
+    # → ~45.3 h, ~$1,209, $0.53 per million output tokens, ~11 GB of completions, ~117 TB of hidden states
+
+    # measure first (a canary-sized run on the real cluster), then plan the full run from it:
+    python -m job plan --from s3://my-bucket/runs/canary --prompts 914000 --gpus 8 --usd-per-gpu-hour 3.81
+
+The arithmetic, all of it:
+    output tokens      = prompts × tokens per prompt
+    hours              = output tokens / (GPUs × tokens/s per GPU) / 3600
+    cost               = hours × GPUs × $ per GPU-hour
+    $ per M tokens     = $ per GPU-hour / (tokens/s per GPU × 3600) × 1e6      (independent of the GPU count)
+    completions        = output tokens × completion bytes per token (+ prompt tokens × 4 B of prompt ids),
+                         or prompts × measured shard bytes per row with --from
+    hidden states      = (prompt + output tokens) × hidden bytes per token (layers × hidden size × 2 B for bf16)
+
+`--from RUN` replaces the guesses with what a run measured: output tokens per prompt (mean over its shards,
+error rows included since they happen in the full run too), prompt tokens per prompt, shard bytes per row,
+and tokens/s per GPU (run.json's throughput figures when present, else shard timestamps;
+see job/status.py). Flags given explicitly always win over measured values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+# Qwen3.6-27B with the DFlash layer set [1, 16, 31, 46, 61]: 5 layers × hidden 5120 × 2 bytes (bf16).
+DEFAULT_HIDDEN_BYTES_PER_TOKEN = 5 * 5120 * 2
+# A completion shard stores each output token as an int32 id (4 B) and as text (~4 B of UTF-8 per token for
+# English), zstd-compressed to roughly 5 B together; `--from` measures the real figure from shard sizes.
+DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
+PROMPT_ID_BYTES = 4  # prompt_token_ids: int32 per prompt token
+# S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
+DEFAULT_USD_PER_GB_MONTH = 0.023
+
+
+class PlanError(ValueError):
+    """Missing or impossible inputs; the message names the flag to pass."""
+
+
+@dataclass(kw_only=True)
+class PlanInputs:
+    num_prompts: int
+    output_tokens_per_prompt: float
+    num_gpus: int
+    output_tokens_per_s_per_gpu: float
+    usd_per_gpu_hour: float
+    prompt_tokens_per_prompt: float = 0.0
+    hidden_bytes_per_token: float = DEFAULT_HIDDEN_BYTES_PER_TOKEN
+    completion_bytes_per_token: float = DEFAULT_COMPLETION_BYTES_PER_TOKEN
+    completion_bytes_per_prompt: float | None = None
+    """Measured shard bytes per row (`--from`): replaces the per-token estimate, prompts and carried columns
+    included."""
+    usd_per_gb_month: float = DEFAULT_USD_PER_GB_MONTH
+
+    def __post_init__(self):
+        for name in ("num_prompts", "output_tokens_per_prompt", "num_gpus", "output_tokens_per_s_per_gpu"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"plan: {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("usd_per_gpu_hour", "prompt_tokens_per_prompt", "hidden_bytes_per_token",
+                     "completion_bytes_per_token", "usd_per_gb_month"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"plan: {name} must be >= 0, got {getattr(self, name)!r}")
+
+
+def estimate(p: PlanInputs) -> dict:
+    output_tokens = p.num_prompts * p.output_tokens_per_prompt
+    prompt_tokens = p.num_prompts * p.prompt_tokens_per_prompt
+    tokens_per_s = p.num_gpus * p.output_tokens_per_s_per_gpu
+    hours = output_tokens / tokens_per_s / 3600
+    gpu_hours = hours * p.num_gpus
+    cost = gpu_hours * p.usd_per_gpu_hour
+    if p.completion_bytes_per_prompt is not None:
+        completion_bytes = p.num_prompts * p.completion_bytes_per_prompt
+    else:
+        completion_bytes = output_tokens * p.completion_bytes_per_token + prompt_tokens * PROMPT_ID_BYTES
+    hidden_bytes = (output_tokens + prompt_tokens) * p.hidden_bytes_per_token
+    return {
+        "inputs": asdict(p),
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "cluster_output_tokens_per_s": tokens_per_s,
+        "hours": hours,
+        "gpu_hours": gpu_hours,
+        "cost_usd": cost,
+        "usd_per_million_output_tokens": cost / output_tokens * 1e6,
+        "completion_bytes": completion_bytes,
+        "hidden_state_bytes": hidden_bytes,
+        "hidden_state_usd_per_month": hidden_bytes / 1e9 * p.usd_per_gb_month,
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def format_plan(e: dict, measured: dict | None = None) -> str:
+    p = e["inputs"]
+    lines = []
+    if measured:
+        lines.append(f"measured on {measured['run']}: " + ", ".join(measured["notes"]))
+    lines += [
+        f"work     {p['num_prompts']:,} prompts × {p['output_tokens_per_prompt']:,.0f} output tokens = "
+        f"{e['output_tokens'] / 1e9:,.3f}B output tokens",
+        f"speed    {p['num_gpus']} GPUs × {p['output_tokens_per_s_per_gpu']:,.0f} tok/s per GPU = "
+        f"{e['cluster_output_tokens_per_s']:,.0f} tok/s",
+        f"time     {e['hours']:,.1f} hours ({e['hours'] / 24:,.1f} days), {e['gpu_hours']:,.0f} GPU-hours",
+        f"cost     ${e['cost_usd']:,.0f} at ${p['usd_per_gpu_hour']:,.2f} per GPU-hour "
+        f"(${e['usd_per_million_output_tokens']:,.3f} per million output tokens)",
+        f"storage  completions {_bytes(e['completion_bytes'])} ("
+        + (f"{p['completion_bytes_per_prompt'] / 1e3:,.1f} KB per prompt, measured"
+           if p["completion_bytes_per_prompt"] is not None else
+           f"~{p['completion_bytes_per_token']:.1f} B per output token"
+           + (f" + {PROMPT_ID_BYTES} B per prompt token" if p["prompt_tokens_per_prompt"] else ""))
+        + ")",
+        f"         hidden states {_bytes(e['hidden_state_bytes'])} "
+        f"({p['hidden_bytes_per_token']:,.0f} B per token over "
+        + ("prompt + completion" if p["prompt_tokens_per_prompt"] else "the completion only; add "
+           "--prompt-tokens-per-prompt to include the prompt")
+        + f"), ~${e['hidden_state_usd_per_month']:,.0f}/month at ${p['usd_per_gb_month']}/GB-month "
+        "if stored rather than streamed",
+        "         (not included: engine start-up, ~5-15 min per (re)start; the canary; idle head node; stage 2 "
+        "compute)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring a run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gpus_of_run(run: dict) -> int | None:
+    """GPUs a run's engines held, as far as run.json says: `generate.num_gpus` when recorded, else
+    `generate.num_engines` (or the config's `generate.num_engines`) × tensor_parallel_size. A CPU run's engine
+    counts as one "GPU" here, which is what a CPU-sized rehearsal of the arithmetic wants."""
+    gen = run.get("generate", {})
+    for src in (gen.get("throughput", {}), gen):
+        if src.get("num_gpus"):
+            return int(src["num_gpus"])
+    cfg = run.get("config", {})
+    tp = int(cfg.get("engine_kwargs", {}).get("tensor_parallel_size", 1))
+    engines = gen.get("num_engines") or cfg.get("generate", {}).get("num_engines")
+    return int(engines) * tp if engines else None
+
+
+def _recorded_tokens_per_s(run: dict, report: dict | None) -> float | None:
+    """Cluster output tokens/s over the generation window, as the last job recorded it (run.json or report)."""
+    gen = run.get("generate", {})
+    for src in (gen.get("throughput", {}), gen, (report or {}).get("throughput", {})):
+        if src.get("output_tokens_per_s"):
+            return float(src["output_tokens_per_s"])
+        if src.get("output_tokens") and src.get("generation_seconds"):
+            return float(src["output_tokens"]) / float(src["generation_seconds"])
+    return None
+
+
+def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = None) -> dict:
+    """What a run measured: tokens per prompt, bytes per token, tokens/s per GPU (None if it cannot be known)."""
+    from job import schema, storage
+    from job.runs import read_run_json
+    from job.status import measure_rate, scan_completions
+    from job.storage import StorageConfig
+
+    storage_config = storage_config or StorageConfig()
+    run = read_run_json(run_uri, storage_config)
+    if run is None:
+        raise PlanError(f"--from {run_uri}: no {schema.RUN_JSON} there, so it is not a run directory")
+    report_uri = storage.join(run_uri, schema.REPORTS_DIR, "generate.json")
+    report = storage.read_json(report_uri, storage_config) if storage.exists(report_uri, storage_config) else None
+    shards = scan_completions(run_uri, storage_config)
+    rows = sum(s.num_rows for s in shards)
+    if rows == 0:
+        raise PlanError(f"--from {run_uri}: no completion rows yet; wait for the first shards (`python -m job status "
+                        f"{run_uri}`)")
+    out_tokens = sum(s.num_output_tokens for s in shards)
+    prompt_tokens = sum(s.num_prompt_tokens for s in shards)
+    measured = {
+        "run": run_uri,
+        "rows": rows,
+        "rows_total": run.get("generate", {}).get("input", {}).get("num_rows"),
+        "output_tokens_per_prompt": out_tokens / rows,
+        "prompt_tokens_per_prompt": prompt_tokens / rows,
+        "completion_bytes_per_prompt": sum(s.size for s in shards) / rows,
+        "output_tokens_per_s_per_gpu": None,
+        "num_gpus": num_gpus or _gpus_of_run(run),
+    }
+    notes = [f"{rows:,} rows", f"{measured['output_tokens_per_prompt']:,.0f} output tokens per prompt"]
+
+    cluster_tps, source = _recorded_tokens_per_s(run, report), "recorded by the job"
+    if cluster_tps is None:
+        rate = measure_rate(shards)
+        if rate:
+            cluster_tps, source = rate.output_tokens_per_s, f"from shard timestamps over {rate.seconds / 60:,.0f} min"
+    if cluster_tps is not None and measured["num_gpus"]:
+        measured["output_tokens_per_s_per_gpu"] = cluster_tps / measured["num_gpus"]
+        notes.append(f"{measured['output_tokens_per_s_per_gpu']:,.0f} tok/s per GPU ({cluster_tps:,.0f} tok/s on "
+                     f"{measured['num_gpus']} GPUs, {source})")
+    elif cluster_tps is not None:
+        measured["cluster_output_tokens_per_s"] = cluster_tps
+    measured["notes"] = notes
+    return measured
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m job plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="example: python -m job plan --prompts 914000 --tokens-per-prompt 2500 "
+                                       "--gpus 7 --tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81")
+    p.add_argument("--prompts", type=int, help="prompts to complete (default with --from: the run's total rows)")
+    p.add_argument("--tokens-per-prompt", type=float, help="mean output tokens per prompt (reasoning + answer)")
+    p.add_argument("--gpus", type=int, help="GPUs generating (one engine per GPU, or per TP group)")
+    p.add_argument("--tokens-per-s-per-gpu", type=float, help="output tokens/s one GPU sustains at full batch")
+    p.add_argument("--usd-per-gpu-hour", type=float, help="price of one GPU-hour (node price / GPUs per node)")
+    p.add_argument("--prompt-tokens-per-prompt", type=float, help="mean prompt tokens (storage only; default 0)")
+    p.add_argument("--hidden-bytes-per-token", type=float,
+                   help="stage-2 bytes per token: layers × hidden size × 2 (default "
+                        f"{DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 5 × 5120 × bf16, Qwen3.6-27B DFlash)")
+    p.add_argument("--completion-bytes-per-token", type=float,
+                   help=f"completion shard bytes per output token (default {DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
+    p.add_argument("--usd-per-gb-month", type=float, default=DEFAULT_USD_PER_GB_MONTH,
+                   help="object storage price, for the monthly hidden-state line (default %(default)s)")
+    p.add_argument("--from", dest="from_run", metavar="RUN_URI",
+                   help="take tokens per prompt, tokens/s per GPU and bytes per token from a run (finished or running)")
+    p.add_argument("--from-gpus", type=int,
+                   help="GPUs the --from run used, when its run.json does not record it")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        measured = measure_run(args.from_run, num_gpus=args.from_gpus) if args.from_run else None
+        m = measured or {}
+
+        def pick(flag_value, measured_key, flag, default=None):
+            if flag_value is not None:
+                return flag_value
+            if m.get(measured_key) is not None:
+                return m[measured_key]
+            if default is not None:
+                return default
+            hint = ""
+            if measured and measured["num_gpus"] is None and measured_key in ("num_gpus",
+                                                                                "output_tokens_per_s_per_gpu"):
+                hint = (f" ({measured['run']} does not record how many GPUs it ran on: pass --from-gpus G with "
+                        "that number, and --gpus for the planned run)")
+            raise PlanError(f"plan: pass {flag}{hint}")
+
+        inputs = PlanInputs(
+            num_prompts=pick(args.prompts, "rows_total", "--prompts N"),
+            output_tokens_per_prompt=pick(args.tokens_per_prompt, "output_tokens_per_prompt", "--tokens-per-prompt T"),
+            num_gpus=pick(args.gpus, "num_gpus", "--gpus G"),
+            output_tokens_per_s_per_gpu=pick(args.tokens_per_s_per_gpu, "output_tokens_per_s_per_gpu",
+                                             "--tokens-per-s-per-gpu R"),
+            usd_per_gpu_hour=pick(args.usd_per_gpu_hour, "-", "--usd-per-gpu-hour P"),
+            prompt_tokens_per_prompt=pick(args.prompt_tokens_per_prompt, "prompt_tokens_per_prompt", "", 0.0),
+            hidden_bytes_per_token=pick(args.hidden_bytes_per_token, "-", "", DEFAULT_HIDDEN_BYTES_PER_TOKEN),
+            completion_bytes_per_token=pick(args.completion_bytes_per_token, "-", "",
+                                            DEFAULT_COMPLETION_BYTES_PER_TOKEN),
+            # Measured bytes per prompt, while tokens per prompt is the measured one too.
+            completion_bytes_per_prompt=None if args.completion_bytes_per_token is not None
+            or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
+            usd_per_gb_month=args.usd_per_gb_month,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = estimate(inputs)
+    if args.json:
+        print(json.dumps({**result, "measured": measured}, indent=2, default=str))
+    else:
+        print(format_plan(result, measured))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

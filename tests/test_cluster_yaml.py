@@ -1,0 +1,107 @@
+"""The production deployment files: cluster.yaml passes Ray's own validation (as `ray up` runs it) and keeps its
+promises (only SSH open, no keys, big /dev/shm, ulimit, NVMe, staged model); configs/qwen3.6-27b.yaml loads and
+every engine and sampling key is one vLLM knows."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import os
+import re
+from typing import get_args
+
+import pytest
+import yaml
+
+from job.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER_YAML = os.path.join(ROOT, "cluster.yaml")
+PROD_CONFIG = os.path.join(ROOT, "configs", "qwen3.6-27b.yaml")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    with open(CLUSTER_YAML) as f:
+        return yaml.safe_load(f)
+
+
+def test_ray_validates_cluster_yaml(cluster):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(cluster)  # the file as written
+    validate_config(prepare_config(copy.deepcopy(cluster)))  # after Ray fills its AWS defaults, as `ray up` does
+
+
+def test_node_types(cluster):
+    types = cluster["available_node_types"]
+    head = types[cluster["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] == 0  # no work on the head
+    assert not head["node_config"]["InstanceType"].startswith(("p", "g"))
+    b200, h200 = types["gpu_b200"], types["gpu_h200"]
+    assert b200["node_config"]["InstanceType"] == "p6-b200.48xlarge" and b200["min_workers"] >= 1
+    assert h200["node_config"]["InstanceType"] == "p5en.48xlarge"
+    for t in (b200, h200):
+        assert t["resources"]["GPU"] == 8
+        assert t["node_config"]["IamInstanceProfile"]["Name"]  # S3 through an instance profile
+    assert sum(t.get("min_workers", 0) for t in types.values()) <= cluster["max_workers"]
+
+
+def test_security_and_credentials(cluster):
+    text = open(CLUSTER_YAML).read()
+    assert "IpPermissions" not in cluster["provider"].get("security_group", {})  # only Ray's SSH + intra-cluster
+    for secret in ("aws_access_key_id", "aws_secret_access_key", "AWS_SECRET", "AKIA"):
+        assert secret.lower() not in text.lower()
+    # Ray token auth on, with the token file mounted from the laptop (never written into this file).
+    assert "--env RAY_AUTH_MODE=token" in cluster["docker"]["run_options"]
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    head_start = " ".join(cluster["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start  # dashboard/job API only through `ray dashboard` tunnel
+
+
+def test_container_runtime(cluster):
+    import ray
+
+    docker = cluster["docker"]
+    assert f":{ray.__version__}-" in docker["image"]  # cluster Ray == client Ray (pyproject pin)
+    run_options = " ".join(docker["run_options"])
+    assert "--ulimit nofile=65536:65536" in run_options
+    mount = re.search(r"-v (\S+):/mnt/local", run_options)
+    assert mount and mount.group(1) == "/opt/dlami/nvme"
+    shm = re.search(r"--shm-size=(\d+)g", " ".join(docker["worker_run_options"]))
+    assert shm and int(shm.group(1)) >= 64
+    starts = " ".join(cluster["worker_start_ray_commands"])
+    assert "ulimit -n 65536" in starts and "--object-spilling-directory=/mnt/local/" in starts
+
+
+def test_model_staged_once_per_node_where_the_config_looks(cluster):
+    model = load_config(PROD_CONFIG).model
+    assert model.startswith("/mnt/local/models/")
+    host_path = model.replace("/mnt/local", "/opt/dlami/nvme")  # the docker mount above
+    for name, node_type in cluster["available_node_types"].items():
+        init = " ".join(node_type["initialization_commands"])
+        assert re.search(rf"aws s3 sync .*s3://\S+ {re.escape(host_path)}\b", init), name
+    head_init = " ".join(cluster["available_node_types"][cluster["head_node_type"]]["initialization_commands"])
+    assert "--exclude '*.safetensors'" in head_init  # the driver needs the tokenizer, not the weights
+
+
+def test_production_config_loads_and_vllm_knows_every_key():
+    config = load_config(PROD_CONFIG)
+    assert config.model.endswith("Qwen3.6-27B") and config.generate.enable_thinking
+    s = config.generate.sampling
+    assert (s["temperature"], s["top_k"], s["top_p"]) == (1.0, 20, 0.95)
+    ek = config.engine_kwargs
+    assert ek["max_model_len"] > s["max_tokens"]  # room for the prompt
+    assert config.hidden_states.layer_ids == [1, 16, 31, 46, 61]
+    assert config.quality.canary_rows > 0
+    assert config.generate.rows_per_shard * config.generate.units_in_flight_per_engine >= ek["max_num_seqs"]
+
+    from vllm import SamplingParams
+    from vllm.config.speculative import MTPModelTypes
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine_fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    assert set(ek) <= engine_fields, set(ek) - engine_fields
+    assert set(s) <= set(inspect.signature(SamplingParams).parameters)
+    assert ek["speculative_config"]["method"] in get_args(MTPModelTypes)

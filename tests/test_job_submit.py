@@ -1,0 +1,192 @@
+"""The user's path, end to end: a local head started with `ray start --head` (dashboard and job API included),
+the demo job sent with `ray job submit --working-dir . -- python -m job generate ...`, SUCCEEDED, shards
+checked, and the head stopped again.
+
+The head is started with `--block` in its own session and stopped by signalling that process (Ray's SIGTERM
+handler stops every process it started, and the test then kills whatever is left of that session's process
+group). `ray stop` is not used: it stops every Ray on the machine, other users' and other tests' too.
+
+Every port is a free one and --temp-dir is a fresh short folder, so this head never collides with another
+local Ray. Real Ray, real vLLM (CPU build), the project's tiny model; ~1-2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+NUM_ROWS = 16
+
+
+def free_ports(n: int) -> list[int]:
+    with ExitStack() as stack:  # hold them all open at once, so the n ports differ
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`ray start` exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except urllib.error.HTTPError:  # e.g. 401 without a token: the server is up
+            return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+@pytest.fixture
+def ray_head():
+    """A local head with the dashboard/job API; yields (dashboard address, metrics URL, env for the CLI, temp dir)."""
+    gcs, dash, agent_http, agent_grpc, env_agent, client, metrics = free_ports(7)
+    temp_dir = tempfile.mkdtemp(prefix="rjs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    # The job's entrypoint runs `python` from the head's PATH: this virtualenv's.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # SIGTERM stops the head at once (no 30 s node drain)
+    # Ray 2.60 turns token auth on for local heads. This head gets its own token through the environment (the
+    # CLI, the head and the job all read it), so the user's ~/.ray/auth_token is neither read nor written.
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(gcs),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
+         "--dashboard-agent-listen-port", str(agent_http), "--dashboard-agent-grpc-port", str(agent_grpc),
+         "--runtime-env-agent-port", str(env_agent), "--ray-client-server-port", str(client),
+         "--metrics-export-port", str(metrics), "--object-store-memory", str(300 * 1024 * 1024),
+         "--temp-dir", temp_dir, "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        wait_http(f"{address}/api/version", 120, proc)
+        yield address, f"http://127.0.0.1:{metrics}/metrics", env, temp_dir
+    finally:
+        _stop_head(proc)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """Stop the head this test started, and only it: SIGTERM to `ray start --block` (it stops its processes),
+    then SIGKILL to anything left in its process group (workers, agents)."""
+    pgid = proc.pid  # start_new_session: the group id is the leader's pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
+    from job.demo import write_demo_prompts
+
+    address, metrics_url, env, temp_dir = ray_head
+    prompts = write_demo_prompts(str(tmp_path / "prompts"), num_prompts=32, num_shards=2)
+    output = str(tmp_path / "run")
+    # The working dir is uploaded without .gitignored paths (.venv, .cache): the model and data are passed as
+    # absolute paths on this machine, as a cluster job would name S3 URIs or node-local paths.
+    entrypoint = ["python", "-m", "job", "generate", "--config", "configs/demo.yaml",
+                  "--model", os.path.abspath(tiny_model_dir), "--input", prompts, "--output", output,
+                  "--limit", str(NUM_ROWS)]
+    metrics_seen: set[str] = set()
+    job_status, logs = _submit(address, env, entrypoint, metrics_url, metrics_seen)
+    if "succeeded" not in job_status.lower() and "Engine core initialization failed" in logs:
+        # On this shared 2-core machine a vLLM engine start occasionally fails when other tests start engines at
+        # the same moment (~1 run in 5 under load). That is not what this test is about; the user's answer to a
+        # failed job is to submit the same command again, which also exercises resuming the same --output.
+        print("note: the engine failed to start (machine under load); resubmitting the same job once")
+        job_status, logs = _submit(address, env, entrypoint, metrics_url, metrics_seen)
+    assert "succeeded" in job_status.lower(), f"{job_status}\n{logs[-3000:]}\n{_error_lines(temp_dir)}"
+    # Not a TTY under `ray job submit`: plain progress lines, the last one complete.
+    progress = [line for line in logs.splitlines() if line.startswith("[generate] ")]
+    assert progress and progress[-1].startswith(f"[generate] {NUM_ROWS}/{NUM_ROWS} rows (100.0%)"), logs[-4000:]
+    assert "\r" not in "".join(progress)
+
+    # The shards: NUM_ROWS rows, each input id exactly once (the first NUM_ROWS ids, in input order).
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(os.path.join(output, "completions"), format="arrow").to_table()
+    ids = table.column("id").to_pylist()
+    assert len(ids) == NUM_ROWS and len(set(ids)) == NUM_ROWS
+    assert sorted(ids) == [f"demo-{i:05d}" for i in range(NUM_ROWS)]
+
+    # `status` and `plan --from` read the finished run directory alone.
+    from job import plan, status
+
+    st = status.build_status(output)
+    assert st["rows_done"] == NUM_ROWS and st["rows_remaining"] == 0 and st["output_tokens"] > 0
+    assert plan.main(["--from", output, "--prompts", "914000", "--gpus", "8", "--usd-per-gpu-hour", "3.81"]) == 0
+
+    # The progress figures reached Ray's Prometheus endpoint (exported from the driver via ray.util.metrics,
+    # scraped every 2 s while the job ran; the driver's heartbeat sets them during the ~30 s of engine start-up).
+    print("datagen metrics scraped:", sorted(metrics_seen))
+    assert {"ray_datagen_rows_total", "ray_datagen_progress_fraction", "ray_datagen_engines_alive"} <= metrics_seen
+
+
+def _submit(address: str, env: dict, entrypoint: list[str], metrics_url: str,
+            metrics_seen: set[str]) -> tuple[str, str]:
+    """`ray job submit --working-dir . -- ENTRYPOINT`, as a user runs it; returns (`ray job status`, logs)."""
+    submission_id = f"datagen-test-{os.getpid()}-{time.time_ns()}"
+    cmd = [RAY, "job", "submit", "--address", address, "--submission-id", submission_id, "--working-dir", ".",
+           "--", *entrypoint]
+    submit = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 420
+    while submit.poll() is None and time.monotonic() < deadline:
+        metrics_seen |= _datagen_metrics(metrics_url)
+        time.sleep(2)
+    if submit.poll() is None:
+        submit.kill()
+    logs = submit.communicate()[0]
+    # The job's final state, asked the way a user would (the CLI reads the token from the environment).
+    job_status = subprocess.run([RAY, "job", "status", "--address", address, submission_id], env=env,
+                                capture_output=True, text=True, timeout=60).stdout
+    return job_status, logs
+
+
+def _datagen_metrics(url: str) -> set[str]:
+    try:
+        text = urllib.request.urlopen(url, timeout=2).read().decode()
+    except OSError:
+        return set()
+    return set(re.findall(r"^(ray_datagen_\w+)", text, flags=re.M))
+
+
+def _error_lines(temp_dir: str) -> str:
+    """Error lines of every Ray log of this head (the engine's root cause is in a worker's log, not the job's)."""
+    out = []
+    for path in sorted(Path(temp_dir).glob("session_*/logs/*")):
+        if path.suffix in (".err", ".out", ".log") and path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                if re.search(r"ERROR|Error:|Killed|MemoryError|Traceback", line):
+                    out.append(f"{path.name}: {line[:300]}")
+    return "--- error lines in Ray's logs ---\n" + "\n".join(out[-80:])

@@ -1,0 +1,94 @@
+"""`python -m job plan`: the arithmetic (including a real run's numbers) and `--from RUN` measurements."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from job import plan
+from job.plan import PlanInputs, estimate
+from test_status import steady_shards, write_run
+
+REAL_RUN = ["--prompts", "914000", "--tokens-per-prompt", "2500", "--gpus", "7", "--tokens-per-s-per-gpu", "2000",
+            "--usd-per-gpu-hour", "3.81"]
+
+
+def test_reproduces_the_real_run():
+    """914K prompts × 2,500 tokens on 7 GPUs at 2,000 tok/s/GPU and $3.81/GPU-hour: ~45 hours, ~$1,210."""
+    e = estimate(PlanInputs(num_prompts=914_000, output_tokens_per_prompt=2500, num_gpus=7,
+                            output_tokens_per_s_per_gpu=2000, usd_per_gpu_hour=3.81))
+    assert e["output_tokens"] == 2_285_000_000
+    assert e["hours"] == pytest.approx(45.34, abs=0.01)
+    assert e["cost_usd"] == pytest.approx(1209.3, abs=1)
+    assert e["usd_per_million_output_tokens"] == pytest.approx(3.81 / (2000 * 3600) * 1e6)
+    # Storage: ~5 B per output token of completions; 5 layers × 5120 × bf16 per token of hidden states.
+    assert e["completion_bytes"] == pytest.approx(2_285_000_000 * 5.0)
+    assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 51_200)
+
+
+def test_cli_prints_hours_cost_and_storage(capsys):
+    assert plan.main(REAL_RUN) == 0
+    out = capsys.readouterr().out
+    assert "45.3 hours" in out and "$1,209" in out and "$0.529 per million output tokens" in out
+    assert "completions 11.4 GB" in out and "hidden states 117.0 TB" in out
+
+
+def test_cli_json_and_prompt_tokens(capsys):
+    assert plan.main([*REAL_RUN, "--prompt-tokens-per-prompt", "500", "--hidden-bytes-per-token", "1000",
+                      "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["hidden_state_bytes"] == pytest.approx(914_000 * 3000 * 1000)  # prompt + completion tokens
+    assert e["completion_bytes"] == pytest.approx(914_000 * (2500 * 5.0 + 500 * 4))
+
+
+def test_missing_or_bad_inputs_name_the_flag(capsys):
+    assert plan.main(["--prompts", "10", "--gpus", "1"]) == 2
+    assert "--tokens-per-prompt" in capsys.readouterr().err
+    assert plan.main([*REAL_RUN[:-2], "--usd-per-gpu-hour", "-1"]) == 2
+    assert "usd_per_gpu_hour" in capsys.readouterr().err
+    assert plan.main(["--gpus", "0", *REAL_RUN[:4], *REAL_RUN[6:]]) == 2
+
+
+def test_from_a_run_with_recorded_throughput(tmp_path, capsys):
+    run = str(tmp_path / "canary")
+    # 10 shards of 4 rows × 250 tokens; the job recorded 4,000 tok/s with 2 engines of 1 GPU (run.json, as
+    # job/generate.py writes it when a job completes).
+    write_run(run, steady_shards(10, tokens=250), total_rows=40,
+              generate={"status": "complete", "num_engines": 2, "output_tokens_per_s": 4000.0})
+    m = plan.measure_run(run)
+    assert m["output_tokens_per_prompt"] == 250 and m["prompt_tokens_per_prompt"] == 10
+    assert m["output_tokens_per_s_per_gpu"] == 2000 and m["num_gpus"] == 2
+    assert m["completion_bytes_per_prompt"] > 0
+    # Plan the full run from the canary: only the prompts, GPUs and price are new.
+    assert plan.main(["--from", run, "--prompts", "914000", "--gpus", "7", "--usd-per-gpu-hour", "3.81",
+                      "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["inputs"]["output_tokens_per_prompt"] == 250
+    assert e["inputs"]["output_tokens_per_s_per_gpu"] == 2000
+    assert e["hours"] == pytest.approx(914_000 * 250 / 14_000 / 3600)
+    assert e["completion_bytes"] == pytest.approx(914_000 * m["completion_bytes_per_prompt"])
+
+
+def test_from_a_run_measured_by_shard_timestamps(tmp_path, capsys):
+    run = str(tmp_path / "running")
+    write_run(run, steady_shards(10, tokens=100, every_s=10.0), total_rows=1000)  # 40 tok/s, as in test_status
+    # No GPU count in run.json: the user must say how many GPUs the measured run had.
+    assert plan.main(["--from", run, "--usd-per-gpu-hour", "2"]) == 2
+    assert "--from-gpus" in capsys.readouterr().err
+    assert plan.main(["--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["inputs"]["output_tokens_per_s_per_gpu"] == pytest.approx(20.0)
+    assert e["inputs"]["num_prompts"] == 1000  # the run's own total
+    assert e["inputs"]["num_gpus"] == 2
+    # Explicit flags win over measured values.
+    assert plan.main(["--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--tokens-per-prompt", "7",
+                      "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["output_tokens_per_prompt"] == 7
+
+
+def test_from_a_run_without_rows(tmp_path, capsys):
+    run = str(tmp_path / "empty")
+    write_run(run, [], total_rows=10)
+    assert plan.main(["--from", run, *REAL_RUN[2:]]) == 2
+    assert "no completion rows yet" in capsys.readouterr().err
