@@ -35,11 +35,13 @@ def wait_for(condition, timeout_s: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def processes(pattern: str) -> list[psutil.Process]:
+def processes(pattern: str, root: int | None = None) -> list[psutil.Process]:
+    """Descendants of `root` (default: this test process, whose local Ray runs the job) matching `pattern`.
+    Only our own tree: other jobs' engines on a shared machine are never touched."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.Process(root or os.getpid()).children(recursive=True):
         try:
-            if pattern in " ".join(p.info["cmdline"] or []):
+            if pattern in " ".join(p.cmdline()):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -82,17 +84,22 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
     env = {**os.environ, "PYTHONPATH": str(REPO), "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    tree: list[psutil.Process] = []
     try:
         if moment == "engine_start":
-            wait_for(lambda: processes("EngineCore"), 120, "the engine to start")
+            wait_for(lambda: processes("EngineCore", proc.pid), 120, "the engine to start")
         else:
             wait_for(lambda: shards(run) and list((run / "completions").glob("*.tmp-*")), 240,
                      "a shard write in progress")
     finally:
+        tree = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
         proc.wait()
-    for p in processes(str(run)) + processes("EngineCore"):  # nothing of the killed job may keep writing
-        p.kill()
+    for p in tree:  # anything of the killed job that left its process group (nothing may keep writing)
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     time.sleep(1)
 
     done_before = {p.name: p.stat().st_mtime_ns for p in shards(run)}
