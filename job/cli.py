@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"job.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     from job.generate import CanaryFailed
+    from job.hidden_states import HiddenStateCheckError
     from job.inputs import InputError
     from job.runs import RunError
     from job.storage import StorageError
 
     try:
         return _dispatch(args)
-    except CanaryFailed as e:
+    except (CanaryFailed, HiddenStateCheckError) as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)
         return 3
     except (ConfigError, InputError, RunError, StorageError) as e:
@@ -102,7 +103,7 @@ def _dispatch(args) -> int:
         from job.hidden_states import run_hidden_states
 
         config = _config(args)
-        run_hidden_states(config)
+        run_hidden_states(config, force=args.force)
         return 0
     if args.command == "report":
         from job.report import build_report, format_report

@@ -72,20 +72,48 @@ class GenerateConfig:
 class HiddenStatesConfig:
     # Owned by the stage-2 module (job/hidden_states.py).
     layer_ids: list[int] = field(default_factory=lambda: [0])
-    """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]."""
+    """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]
+    (for the last layer that is after the final norm, as in transformers). Negative ids count from the end
+    (-1 = last layer)."""
     max_length: int = 4096
     """Sequences longer than this are clipped (recorded per sample)."""
     backend: str = "transformers"
-    """'transformers' (reference) or 'vllm' (fast prefill path)."""
+    """'transformers' (reference) or 'vllm' (fast prefill path; needs a CUDA GPU)."""
     dtype: str = "bfloat16"
+    """Compute and storage dtype of the features: bfloat16, float16 or float32."""
     keep_flagged: bool = True
     """Keep rows with quality flags (error rows are always skipped)."""
     batch_tokens: int = 16384
-    """Tokens per forward batch (length-sorted, so padding stays small)."""
-    rows_per_shard: int = 256
+    """Padded tokens per forward batch (rows are length-sorted, so padding stays small). At least max_length."""
+    rows_per_shard: int = 32
+    """Rows per hidden-state shard. Features are big (5 layers x 5120 x 2 B = 51 KB per token): 32 rows of
+    ~2.5K tokens is ~4 GB per shard for Qwen3.6-27B, all of which an extractor holds in memory while writing."""
     num_workers: int | None = None
     """Extractor actors. None = cluster GPUs, or 1 on CPU."""
+    min_rms: float = 1e-5
+    max_rms: float = 1e4
+    """Per-sample, per-layer RMS of the features must lie in [min_rms, max_rms]; outside it the job stops and
+    names the layer and sample (NaN/inf and all-zero features always stop it)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vllm.LLM keyword arguments for the vllm backend, passed through untouched."""
+
+    def __post_init__(self):
+        if not self.layer_ids or not all(isinstance(k, int) for k in self.layer_ids):
+            raise ConfigError("config: hidden_states.layer_ids must be a non-empty list of ints, "
+                              f"got {self.layer_ids!r}")
+        if self.backend not in ("transformers", "vllm"):
+            raise ConfigError(f"config: hidden_states.backend must be 'transformers' or 'vllm', "
+                              f"got {self.backend!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16 or float32, "
+                              f"got {self.dtype!r}")
+        if self.max_length < 1 or self.rows_per_shard < 1:
+            raise ConfigError("config: hidden_states.max_length and hidden_states.rows_per_shard must be >= 1")
+        if self.batch_tokens < self.max_length:
+            raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "
+                              f"max_length ({self.max_length}): one full-length sequence must fit in a batch")
+        if not 0 <= self.min_rms < self.max_rms:
+            raise ConfigError("config: hidden_states.min_rms must be >= 0 and below max_rms")
 
 
 @dataclass(kw_only=True)

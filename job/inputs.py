@@ -14,8 +14,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -131,20 +131,38 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.
         if not s.remove_metadata().equals(schemas[first].remove_metadata()):
             raise InputError(f"input files disagree on their schema: {first} has {schemas[first]} but {uri} has {s}")
 
-    seen: list[pa.Array] = []
+    # Uniqueness in ~8 bytes per id: a 64-bit hash per id (file by file), one sort, then an exact recheck of
+    # the few ids whose hashes collide. Arrow's own hash table needs ~100 bytes per id (1 GB at 10M ids,
+    # docs/BENCHMARKS.md); this needs ~160 MB.
+    hashes = []
     for f in files:
         ids = read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID)
-        nulls = ids.null_count
-        if nulls:
-            raise InputError(f"input file {f.uri}: {nulls} row(s) have a null `{schema.ID}`; every row needs an id")
-        seen.append(pc.cast(ids, pa.string()).combine_chunks())
-    all_ids = pa.chunked_array(seen)
-    if len(pc.unique(all_ids)) != len(all_ids):
-        counts = pc.value_counts(all_ids)
-        dup = counts.filter(pc.greater(counts.field("counts"), 1))
-        example = dup[0]["values"].as_py()
-        raise InputError(f"input has {len(dup)} duplicate id(s), e.g. {example!r}; ids must be unique across the input")
+        if ids.null_count:
+            raise InputError(f"input file {f.uri}: {ids.null_count} row(s) have a null `{schema.ID}`; every row "
+                             "needs an id")
+        hashes.append(_hash64(ids.combine_chunks()))
+    ordered = np.sort(np.concatenate(hashes))
+    suspects = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if suspects:
+        counts: dict = {}
+        for f in files:
+            ids = read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID).combine_chunks()
+            mask = np.isin(_hash64(ids), np.fromiter(suspects, dtype=np.uint64))
+            for value in ids.filter(pa.array(mask)).to_pylist():
+                counts[value] = counts.get(value, 0) + 1
+        dups = [v for v, n in counts.items() if n > 1]
+        if dups:
+            raise InputError(f"input has {len(dups)} duplicate id(s), e.g. {dups[0]!r}; ids must be unique across "
+                             "the input")
     return schemas[first]
+
+
+def _hash64(ids: pa.Array) -> np.ndarray:
+    if pa.types.is_integer(ids.type):
+        return ids.cast(pa.int64()).to_numpy().view(np.uint64)
+    import pandas as pd  # vectorized 64-bit hashing of strings (pandas comes with Ray Data)
+
+    return pd.util.hash_array(ids.cast(pa.string()).to_numpy(zero_copy_only=False), categorize=False)
 
 
 def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None = None,

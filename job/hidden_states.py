@@ -1,0 +1,540 @@
+"""Stage 2: completion shards → the target model's hidden states, as Arrow shards or a stream into a trainer.
+
+    python -m job hidden-states --config configs/demo.yaml --output demo-run
+
+    from job.hidden_states import load, dataset
+    for sample in load("demo-run"):               # written shards; hidden_states views the file (no copy)
+        sample["hidden_states"]                   # torch.bfloat16 [num_tokens, num_layers, hidden]
+    ds = dataset(config)                           # the same records, never written: a ray.data.Dataset
+    for batch in ds.iter_torch_batches(batch_size=8, collate_fn=collate):
+        batch["hidden_states"]                    # list of 8 bf16 tensors [num_tokens, num_layers, hidden]
+
+Reads top to bottom: plan the work units (one per completion shard; a `--limit` cuts the last one) → check the
+run directory (drift, lock) → print what the run will store → Ray Data streams the units through extractor
+actors (one per GPU), each writing its unit's parts → the driver follows the per-unit summaries → report.
+
+Exactly once: a unit's parts have deterministic names (`<completion shard>-p0003.arrow`, rows sorted by length
+then cut every `rows_per_shard`), each written atomically; a part already there is skipped, and a unit is done
+when its marker `hidden_states/_done/<shard>.json` exists (written after its last part). A rerun redoes only
+the parts that were in flight; a finished run starts no actor. Parts a different `--limit` left behind are
+deleted before the unit writes its own, so the shards always hold each kept row exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from job import runs, schema, storage
+from job.config import ConfigError, RunConfig
+from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenStateCheckError, hidden_states_schema,
+                           iter_records, part_table, plan_parts, resolve_layer_ids, samples_from_completions,
+                           table_to_ipc)
+
+__all__ = ["run_hidden_states", "estimate_storage", "dataset", "collate", "load", "HiddenStateCheckError"]
+
+STAGE = "hidden_states"
+DONE_DIR = "_done"
+REPORT_NAME = "hidden_states.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Work units and names
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Unit:
+    uri: str
+    """Completion shard."""
+    stem: str
+    """Its name without `.arrow`; every output name of the unit starts with it."""
+    num_rows: int
+    """Rows this unit reads from the shard (all of them, or the first `row_limit`)."""
+    row_limit: int | None = None
+    existing: list[str] = field(default_factory=list)
+    """Names of this unit's files already under hidden_states/ (the driver lists once for all units)."""
+
+    @property
+    def tag(self) -> str:
+        return self.stem if self.row_limit is None else f"{self.stem}-n{self.row_limit}"
+
+    def part_name(self, index: int) -> str:
+        return f"{self.tag}-p{index:04d}{schema.SHARD_SUFFIX}"
+
+    @property
+    def marker_name(self) -> str:
+        return f"{DONE_DIR}/{self.tag}.json"
+
+    def owns(self, name: str) -> bool:
+        """Whether `name` (relative to hidden_states/) is a part or marker of this shard, under any limit."""
+        base = name[len(DONE_DIR) + 1:] if name.startswith(DONE_DIR + "/") else name
+        return re.fullmatch(re.escape(self.stem) + r"(-n\d+)?(-p\d{4}\.arrow|\.json)", base) is not None
+
+
+def _out_dir(config: RunConfig) -> str:
+    return storage.join(config.output, schema.HIDDEN_STATES_DIR)
+
+
+def _num_rows(uri: str, config: RunConfig) -> int:
+    """Rows of a completion shard: from stage 1's name (`f00000-r0000000000-0000000064`) or its footer."""
+    from job.inputs import parse_shard_name
+
+    parsed = parse_shard_name(uri.rsplit("/", 1)[-1])
+    if parsed:
+        return parsed[2] - parsed[1]
+    fs, path = storage.resolve(uri, config.storage)
+
+    def count():
+        with fs.open_input_file(path) as f:
+            reader = ipc.open_file(f)
+            return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+    return storage.with_retries(count, what=f"read {uri}", storage=config.storage)
+
+
+def plan_units(config: RunConfig) -> list[Unit]:
+    """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows."""
+    completions = storage.join(config.output, schema.COMPLETIONS_DIR)
+    uris = storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)
+    if not uris:
+        raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
+                          "(`python -m job generate ...`) or point --output at its run directory")
+    units, left = [], config.limit
+    for uri in uris:
+        n = _num_rows(uri, config)
+        stem = uri[len(completions) + 1:-len(schema.SHARD_SUFFIX)].replace("/", "__")
+        if left is not None and n >= left:
+            units.append(Unit(uri=uri, stem=stem, num_rows=left, row_limit=left if left < n else None))
+            break
+        units.append(Unit(uri=uri, stem=stem, num_rows=n))
+        if left is not None:
+            left -= n
+    existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
+    for unit in units:
+        unit.existing = [name for name in existing if unit.owns(name)]
+    return units
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model shape, identity, storage estimate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_shape(model: str) -> tuple[int, int]:
+    """(decoder layers, hidden size) from the model's config.json (no weights loaded)."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model {model!r}: cannot read its config ({e})") from None
+    text = cfg.get_text_config()
+    return int(text.num_hidden_layers), int(text.hidden_size)
+
+
+def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
+    """What must not change when stage 2 resumes into the same shards."""
+    hs = config.hidden_states
+    return {"model": config.model, "layer_ids": layer_ids, "dtype": hs.dtype, "max_length": hs.max_length,
+            "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend}
+
+
+def _read_columns(uri: str, columns: list[str], config: RunConfig) -> pa.Table:
+    """Only the named columns of an Arrow IPC file: ranged reads, so token-id lists are never fetched."""
+    fs, path = storage.resolve(uri, config.storage)
+
+    def read():
+        with fs.open_input_file(path) as f:
+            names = ipc.open_file(f).schema.names
+            wanted = [names.index(c) for c in columns if c in names]
+            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
+
+    return storage.with_retries(read, what=f"read {uri}", storage=config.storage)
+
+
+def _kept_tokens(unit: Unit, config: RunConfig) -> tuple[int, int]:
+    hs = config.hidden_states
+    cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
+    t = _read_columns(unit.uri, cols, config).slice(0, unit.num_rows)
+    keep = ~t.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
+    if not hs.keep_flagged:
+        for flag in schema.QUALITY_FLAGS:
+            if flag in t.column_names:
+                keep &= ~t.column(flag).fill_null(False).to_numpy(zero_copy_only=False)
+    n = sum(t.column(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            for c in (schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS))
+    return int(keep.sum()), int(np.minimum(n, hs.max_length)[keep].sum())
+
+
+def estimate_storage(config: RunConfig, units: list[Unit] | None = None) -> dict:
+    """What the run will store: bytes per token and the total for the input (clipping and skipped rows counted;
+    reads only the length columns of the completion shards)."""
+    hs = config.hidden_states
+    num_layers, hidden = model_shape(config.model)
+    layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+    units = units if units is not None else plan_units(config)
+    with ThreadPoolExecutor(16) as pool:
+        counts = list(pool.map(lambda u: _kept_tokens(u, config), units))
+    feature_bytes = len(layer_ids) * hidden * ITEMSIZE[hs.dtype]
+    per_token = feature_bytes + 4 + 1  # + input_ids (int32) + loss_mask (uint8)
+    tokens = sum(t for _, t in counts)
+    pending = sum(t for u, (_, t) in zip(units, counts) if u.marker_name not in u.existing)
+    return {"bytes_per_token": per_token, "feature_bytes_per_token": feature_bytes, "num_layers": len(layer_ids),
+            "layer_ids": layer_ids, "hidden_size": hidden, "dtype": hs.dtype,
+            "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
+            "num_tokens_pending": pending, "pending_bytes": pending * per_token}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Ray Data stage: one actor per GPU, one unit per call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class HiddenStateExtractor:
+    """`map_batches` callable. mode='write': writes the unit's missing parts and its marker, yields one summary
+    row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
+
+    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write"):
+        import torch
+
+        from job.config import from_dict
+        from job.extractor import TransformersExtractor, load_model
+
+        self.config = from_dict(config)
+        self.mode = mode
+        hs = self.config.hidden_states
+        if hs.backend == "vllm":
+            reason = vllm_unavailable_reason()
+            if reason:
+                raise ConfigError(reason)
+            from job.extractor import VllmExtractor
+
+            self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
+                                           max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
+                                           min_rms=hs.min_rms, max_rms=hs.max_rms)
+        else:
+            if not torch.cuda.is_available():
+                torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
+            self.extractor = TransformersExtractor(load_model(self.config.model, dtype=hs.dtype),
+                                                   layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
+                                                   min_rms=hs.min_rms, max_rms=hs.max_rms)
+        self.schema = hidden_states_schema(model=self.config.model, layer_ids=self.extractor.layer_ids,
+                                           hidden_size=self.extractor.hidden_size, dtype=hs.dtype)
+
+    def __call__(self, batch: dict):
+        for i in range(len(batch["uri"])):
+            unit = Unit(uri=str(batch["uri"][i]), stem=str(batch["stem"][i]), num_rows=int(batch["num_rows"][i]),
+                        row_limit=None if batch["row_limit"][i] < 0 else int(batch["row_limit"][i]),
+                        existing=json.loads(batch["existing"][i]))
+            yield from (self._write(unit) if self.mode == "write" else self._stream(unit))
+
+    def _samples(self, unit: Unit):
+        hs, cfg = self.config.hidden_states, self.config
+        table = storage.read_shard(unit.uri, cfg.storage)
+        samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
+                                                    row_limit=unit.row_limit)
+        return plan_parts(samples, hs.rows_per_shard), skipped
+
+    def _write(self, unit: Unit):
+        cfg, out = self.config, _out_dir(self.config)
+        started = time.monotonic()
+        parts, skipped = self._samples(unit)
+        names = [unit.part_name(j) for j in range(len(parts))]
+        # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
+        # not-done (it is redone), never done-but-incomplete.
+        stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(DONE_DIR))
+        for name in stale:
+            storage.delete(storage.join(out, name), cfg.storage)
+        todo = [(j, p) for j, p in enumerate(parts) if names[j] not in unit.existing]
+        stats_before = asdict(self.extractor.stats)
+        self.extractor.feature_stats = FeatureStats(self.extractor.layer_ids, self.extractor.hidden_size)  # per unit
+        writer, written = BackgroundWriter(max_pending=2), []
+
+        def write(part):
+            buf = table_to_ipc(part_table(part.samples, part.features, self.schema))
+            part.release()
+            uri = storage.join(out, names[part.index])
+            storage.write_bytes_atomic(uri, buf, cfg.storage)
+            return uri, buf.size
+
+        try:
+            for part in self.extractor.run(todo):
+                writer.submit(write, part)
+        finally:
+            written = writer.close()
+        stats = {k: v - stats_before[k] for k, v in asdict(self.extractor.stats).items()}
+        samples = [s for p in parts for s in p]
+        summary = {
+            "unit": unit.tag, "num_rows": unit.num_rows, "num_samples": len(samples),
+            "num_errors": skipped["error"], "num_skipped_flagged": skipped["flagged"],
+            "num_skipped_empty": skipped["empty"], "num_clipped": sum(s.clipped for s in samples),
+            "num_tokens": sum(s.num_tokens for s in samples), "num_tokens_extracted": stats["num_tokens"],
+            "num_padded_tokens": stats["num_padded_tokens"], "num_batches": stats["num_batches"],
+            "num_parts": len(parts), "num_parts_written": len(written),
+            "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
+            "seconds": time.monotonic() - started,
+            "feature_stats": self.extractor.feature_stats.to_dict(),
+        }
+        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
+        yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
+
+    def _stream(self, unit: Unit):
+        parts, _ = self._samples(unit)
+        view = STREAM_DTYPES[self.config.hidden_states.dtype]
+        L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
+        for part in self.extractor.run(list(enumerate(parts)), pooled=False):
+            feats = part.features.view(view)
+            hidden, input_ids, loss_mask, pos = [], [], [], 0
+            for s in part.samples:
+                n = s.num_tokens * L * H
+                hidden.append(feats[pos:pos + n].reshape(s.num_tokens, L, H))
+                input_ids.append(s.input_ids)
+                loss_mask.append(s.loss_mask())
+                pos += n
+            yield {
+                schema.ID: np.array([s.id for s in part.samples], dtype=object),
+                schema.INPUT_IDS: _ragged(input_ids),
+                schema.LOSS_MASK: _ragged(loss_mask),
+                schema.NUM_TOKENS: np.array([s.num_tokens for s in part.samples], dtype=np.int32),
+                schema.ORIGINAL_NUM_TOKENS: np.array([s.original_num_tokens for s in part.samples], dtype=np.int32),
+                schema.CLIPPED: np.array([s.clipped for s in part.samples]),
+                schema.HIDDEN_STATES: _ragged(hidden),
+            }
+
+
+# numpy has no bfloat16: the stream carries its bits as uint16 (float16 and float32 travel as themselves).
+STREAM_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+
+
+def collate(batch: dict) -> dict:
+    """`collate_fn` for `iter_torch_batches` over `dataset(config)`, any batch size: samples differ in length,
+    so each column becomes a list with one tensor per sample (`hidden_states` as torch.bfloat16 again), `id`
+    a list of str, the scalar columns tensors."""
+    import torch
+
+    out = {}
+    for name, column in batch.items():
+        if name == schema.ID:
+            out[name] = [str(x) for x in column]
+        elif name in (schema.INPUT_IDS, schema.LOSS_MASK, schema.HIDDEN_STATES):
+            tensors = [torch.from_numpy(np.ascontiguousarray(x)) for x in column]
+            out[name] = [t.view(torch.bfloat16) if t.dtype == torch.uint16 else t for t in tensors]
+        else:
+            out[name] = torch.from_numpy(np.asarray(column))
+    return out
+
+
+def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
+    """An object array of per-row ndarrays: Ray Data stores it as a variable-shaped tensor column."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why the vllm backend cannot run here, or None. On the CPU build of vLLM the `extract_hidden_states`
+    speculative method starts, but its hidden-state KV connector (ExampleHiddenStatesConnector) copies features
+    to the host with `torch.empty_like(..., pin_memory=True)`, which fails without CUDA ("pin_memory=True
+    requires a CUDA ... backend")."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("hidden_states.backend 'vllm' needs a CUDA GPU: vLLM's hidden-state connector pins host memory "
+                "(pin_memory=True), which the CPU build cannot do. Use backend: transformers on CPU.")
+    return None
+
+
+def _pipeline(config: RunConfig, units: list[Unit], layer_ids: list[int], mode: str):
+    import ray
+
+    from job.config import to_dict
+    from job.generate import ensure_ray
+
+    ensure_ray(config)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if config.hidden_states.backend == "vllm" and not gpus:
+        raise ConfigError(vllm_unavailable_reason() or "hidden_states.backend 'vllm' needs a GPU in the cluster")
+    workers = config.hidden_states.num_workers or max(1, gpus)
+    rows = [{"uri": u.uri, "stem": u.stem, "num_rows": u.num_rows, "row_limit": -1 if u.row_limit is None
+             else u.row_limit, "existing": json.dumps(u.existing)} for u in units]
+    # One block per unit, so each unit is its own task: a replaced actor retries exactly its own units.
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+    return ds.map_batches(
+        HiddenStateExtractor,
+        fn_constructor_kwargs={"config": to_dict(config), "layer_ids": layer_ids, "mode": mode},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=1,
+        num_gpus=1 if gpus else 0,
+        runtime_env={"env_vars": dict(config.env_vars)},
+        # A killed actor is replaced and its unit retried; a deterministic crash is not retried forever.
+        max_restarts=3,
+        max_task_retries=3,
+    )
+
+
+def _unwrap(e: BaseException) -> BaseException | None:
+    """The HiddenStateCheckError / ConfigError inside a Ray task error chain, if any."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, (HiddenStateCheckError, ConfigError)):
+            return seen
+        seen = seen.__cause__ or getattr(seen, "cause", None)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
+    """Extract the hidden states of every kept completion row into `<output>/hidden_states/*.arrow`.
+
+    Returns a summary (rows, tokens, tokens/s, bytes written, shard URIs, report path); the same goes to
+    `<output>/reports/hidden_states.json`.
+    """
+    from job import progress
+
+    started = time.monotonic()
+    hs = config.hidden_states
+    num_layers, hidden = model_shape(config.model)
+    try:
+        layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    units = plan_units(config)
+    previous = runs.read_run_json(config.output, config.storage) or {}
+    if previous.get("config", {}).get("model") not in (None, config.model):
+        print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
+              flush=True)
+    ident = _identity(config, layer_ids)
+    if STAGE in previous:
+        runs.check_drift(previous[STAGE].get("identity", {}), ident, force)
+
+    with runs.WriterLock(config, STAGE, force=force):
+        pending = [u for u in units if u.marker_name not in u.existing]
+        estimate = estimate_storage(config, units)
+        print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
+              f"{_human(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
+              f"{estimate['num_samples']:,} samples → {_human(estimate['total_bytes'])} in total, "
+              f"{_human(estimate['pending_bytes'])} still to write", flush=True)
+        runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
+                                            "status": "running" if pending else "complete"})
+        tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
+                                    done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
+                                    label="hidden-states")
+        extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
+        if pending:
+            print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
+            try:
+                for s in _pipeline(config, pending, layer_ids, "write").iter_rows():
+                    tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
+                                    "num_errors": s["num_errors"]})
+                    this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
+                    this_run["bytes_written"] += s["bytes_written"]
+            except Exception as e:
+                cause = _unwrap(e)
+                if cause is not None:
+                    raise type(cause)(str(cause)) from None
+                raise
+            tracker.close()
+        else:
+            print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
+        seconds = time.monotonic() - extract_started
+        summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started)
+        runs.write_run_json(config, STAGE, {"status": "complete"})
+    print(f"hidden states: {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens, "
+          f"{len(summary['shards'])} shards, {_human(summary['bytes'])}; this run: "
+          f"{summary['num_tokens_extracted']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s, padding "
+          f"{summary['padding_waste']:.1%} → {summary['report']}", flush=True)
+    return summary
+
+
+def _report(config: RunConfig, units: list[Unit], layer_ids: list[int], hidden: int, estimate: dict,
+            this_run: dict, seconds: float, total_seconds: float) -> dict:
+    """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
+    out = _out_dir(config)
+    with ThreadPoolExecutor(16) as pool:
+        markers = list(pool.map(lambda u: storage.read_json(storage.join(out, u.marker_name), config.storage),
+                                units))
+    keys = ["num_rows", "num_samples", "num_errors", "num_skipped_flagged", "num_skipped_empty", "num_clipped",
+            "num_tokens", "num_padded_tokens", "num_parts"]
+    totals = {k: sum(int(m.get(k, 0)) for m in markers) for k in keys}
+    totals_extracted = sum(int(m.get("num_tokens_extracted", 0)) for m in markers)
+    layers = {}
+    for k in map(str, layer_ids):  # token-weighted RMS over what each marker's run extracted; min/max over samples
+        entries = [(m["num_tokens_extracted"], m["feature_stats"][k]) for m in markers
+                   if m.get("num_tokens_extracted") and k in m.get("feature_stats", {})]
+        if entries:
+            n = sum(t for t, _ in entries)
+            layers[k] = {"rms": float(np.sqrt(sum(t * e["rms"] ** 2 for t, e in entries) / max(1, n))),
+                         "min_sample_rms": min(e["min_sample_rms"] for _, e in entries),
+                         "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
+    shards = _list_sizes(out, config)
+    tokens_now = this_run.get("num_tokens_extracted", 0)
+    report_uri = storage.join(config.output, schema.REPORTS_DIR, REPORT_NAME)
+    summary = {
+        **totals,
+        "model": config.model, "layer_ids": layer_ids, "hidden_size": hidden, "dtype": config.hidden_states.dtype,
+        # Over the batches that ran (a resumed unit's marker counts only the parts it redid).
+        "padding_waste": 1 - totals_extracted / totals["num_padded_tokens"]
+        if totals["num_padded_tokens"] else 0.0,
+        "bytes": sum(shards.values()),
+        "num_tokens_extracted": tokens_now,
+        "seconds": seconds, "total_seconds": total_seconds,
+        "tokens_per_s": tokens_now / seconds if seconds else 0.0,
+        "feature_bytes_per_s": tokens_now * estimate["feature_bytes_per_token"] / seconds if seconds else 0.0,
+        "bytes_written": this_run.get("bytes_written", 0),
+        "layers": layers, "estimate": estimate, "shards": sorted(shards), "report": report_uri,
+    }
+    storage.write_json(report_uri, summary, config.storage)
+    return summary
+
+
+def _list_sizes(uri: str, config: RunConfig) -> dict[str, int]:
+    """{shard URI: bytes} under `uri`, from one listing."""
+    import pyarrow.fs as pafs
+
+    fs, path = storage.resolve(uri, config.storage)
+    infos = storage.with_retries(fs.get_file_info, pafs.FileSelector(path, recursive=True, allow_not_found=True),
+                                 what=f"list {uri}", storage=config.storage)
+    return {storage.join(uri, i.path[len(path):].lstrip("/")): int(i.size) for i in infos
+            if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and ".tmp-" not in i.base_name}
+
+
+def dataset(config: RunConfig):
+    """A `ray.data.Dataset` of the hidden-state records, computed on the fly and never written, for a trainer:
+    `ds.iter_torch_batches(batch_size=N, collate_fn=collate)`. Columns as in the shards; `hidden_states` is a
+    [num_tokens, num_layers, hidden] array per sample (bfloat16 travels as its uint16 bits; `collate` views
+    them as torch.bfloat16 again)."""
+    num_layers, _ = model_shape(config.model)
+    layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
+    return _pipeline(config, plan_units(config), layer_ids, "stream")
+
+
+def load(run_uri: str, storage_config: storage.StorageConfig | None = None):
+    """Yield one dict per sample of a run's hidden-state shards: `id`, `input_ids` (int32), `loss_mask` (uint8),
+    `layer_ids`, `hidden_states` ([num_tokens, num_layers, hidden] torch tensor in the stored dtype, a view of
+    the memory-mapped file for local runs: no copy; read-only), `clipped`, `original_num_tokens`."""
+    uris = storage.list_files(storage.join(run_uri, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
+    for uri in uris:
+        yield from iter_records(storage.read_shard(uri, storage_config, memory_map=True))

@@ -1,0 +1,530 @@
+"""The project's own tiny Qwen3-style model: tokenizer, chat template and weights, trained briefly on CPU.
+
+Nothing can be downloaded in CI or on an offline laptop, yet the tests, the demo and the benchmarks need a real
+model that real vLLM (CPU build) and real transformers load and that answers in the same shape as the target
+model (Qwen3.6 in thinking mode): `reasoning\n</think>\n\nanswer<|im_end|>` after a generation prompt that
+already opened `<think>\n`. This module builds one from `job/data/corpus.txt` (~35 KB of original text shipped
+with the package), deterministically: the same arguments give byte-identical files on the same machine and
+package versions.
+
+    python -m job.tiny_model --output .cache/tiny-model                  # default recipe, ~1 min on 2 cores
+    python -m job.tiny_model --output /tmp/tiny --train-steps 5          # a few seconds: shape-only tests
+
+    from job.tiny_model import ensure_tiny_model
+    model_dir = ensure_tiny_model(".cache/tiny-model")                   # builds once, then reuses
+
+The directory is a normal Hugging Face model directory:
+
+    config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab ~2.1K (padded to 64)
+    model.safetensors        ~6 MB of bf16 weights (embeddings tied to the LM head, so no lm_head.weight)
+    tokenizer.json           byte-level BPE trained on the corpus: any text encodes
+    tokenizer_config.json    eos <|im_end|>, pad <|endoftext|>, the chat template
+    chat_template.jinja      the same template (transformers 5 reads this file first)
+    generation_config.json   Qwen3.6 thinking-mode sampling: temperature 1.0, top_k 20, top_p 0.95
+    build_info.json          recipe version, train steps and seed (ensure_tiny_model rebuilds on a new recipe)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+CORPUS_PATH = DATA_DIR / "corpus.txt"
+CHAT_TEMPLATE_PATH = DATA_DIR / "chat_template.jinja"
+
+# Bump when anything below changes what gets built; ensure_tiny_model() then rebuilds stale cached models.
+RECIPE_VERSION = 1
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model shape
+# ---------------------------------------------------------------------------------------------------------------
+# head_dim must be 64: vLLM's CPU attention kernels reject 16. 4 layers x hidden 256 is ~2.4M parameters plus
+# ~0.5M of embeddings: large enough to learn the answer format in about a minute on 2 CPU cores, small enough
+# that vLLM CPU serves hundreds of tokens/s and a test loads it in a second.
+HIDDEN_SIZE = 256
+NUM_LAYERS = 4
+NUM_ATTENTION_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = 64
+INTERMEDIATE_SIZE = 512
+MAX_POSITION_EMBEDDINGS = 4096
+ROPE_THETA = 10000.0
+# BPE on 35 KB of text stops around 2K tokens (min_frequency=2 leaves no more merges to make); the cap is
+# never reached but keeps a bigger corpus from growing the embedding table past the model.
+TOKENIZER_MAX_VOCAB = 4096
+VOCAB_PAD_MULTIPLE = 64
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training recipe
+# ---------------------------------------------------------------------------------------------------------------
+# 120 steps x 16 chats (~190 tokens each) is ~360K tokens: ~60 s on 2 cores, enough for >90% of samples at
+# temperature 1.0 to close the think block and stop. Tests that only need a loadable model use ~5 steps.
+DEFAULT_TRAIN_STEPS = 120
+ROWS_PER_STEP = 4
+# Chats are packed into rows of this many tokens; it is above the longest chat the synthesizer makes (~40
+# reasoning sentences), so every chat is learned in full, including its <|im_end|>.
+ROW_TOKENS = 1024
+LEARNING_RATE = 1e-2
+WARMUP_STEPS = 10
+# Threads are fixed during training: the reduction order of CPU kernels depends on the thread count, and two
+# builds must be byte-identical.
+TRAIN_THREADS = 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpus
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Corpus:
+    """The three kinds of line in corpus.txt (sections `# questions`, `# facts`, `# thoughts`)."""
+
+    qa_pairs: list[tuple[str, str]]
+    """(question, answer) from `Q:` / `A:` line pairs."""
+    facts: list[str]
+    """Plain sentences: filler for reasoning and longer answers."""
+    thoughts: list[str]
+    """Reasoning-style sentences ("Let me check whether the numbers add up.")."""
+
+
+def load_corpus(path: Path = CORPUS_PATH) -> Corpus:
+    qa_pairs: list[tuple[str, str]] = []
+    sections: dict[str, list[str]] = {"facts": [], "thoughts": []}
+    section = None
+    question = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("# "):
+            section = line[2:]
+        elif line.startswith("Q: "):
+            question = line[3:]
+        elif line.startswith("A: "):
+            assert question is not None, f"answer without a question in {path}: {line!r}"
+            qa_pairs.append((question, line[3:]))
+            question = None
+        else:
+            sections[section].append(line)
+    return Corpus(qa_pairs=qa_pairs, facts=sections["facts"], thoughts=sections["thoughts"])
+
+
+def _split_sentences(text: str) -> list[str]:
+    sentences, start = [], 0
+    for i, char in enumerate(text):
+        if char in ".?!" and (i + 1 == len(text) or text[i + 1] == " "):
+            sentences.append(text[start : i + 1].strip())
+            start = i + 1
+    return [s for s in sentences if s]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic chats
+# ---------------------------------------------------------------------------------------------------------------
+# Each training example is a rendered prompt (system/user turns, sometimes history) plus a completion in the
+# target's format. Output lengths must have a long tail (the benchmarks measure how an engine copes with it), so
+# a chat is "long" with probability LONG_FRACTION or when the user asks for steps. A long chat opens its
+# reasoning with one of LONG_OPENERS: the model picks the opener itself when sampling, and then keeps going for
+# ~20 sentences instead of ~3, so the sampled lengths are a mixture: most 50-150 tokens, ~15% 300-700.
+LONG_FRACTION = 0.15
+LONG_OPENERS = (
+    "Let me think about this step by step.",
+    "There are two parts to this question, and I will take them one at a time.",
+)
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a friendly tutor who explains things clearly.",
+    "Answer the user's questions accurately and concisely.",
+)
+
+
+def _geometric(rng: random.Random, p: float) -> int:
+    """Number of failures before the first success: mean (1 - p) / p, a long tail."""
+    count = 0
+    while rng.random() > p:
+        count += 1
+    return count
+
+
+def _user_turn(rng: random.Random, question: str, corpus: Corpus) -> tuple[str, bool | None]:
+    """A user message for `question`, and whether it asks for a long (True) / short (False) answer."""
+    roll = rng.random()
+    if roll < 0.10:
+        return f"Explain step by step: {question}", True
+    if roll < 0.20:
+        return f"Briefly, {question[0].lower()}{question[1:]}", False
+    if roll < 0.30:
+        return f"{rng.choice(corpus.facts)} {question}", None
+    return question, None
+
+
+def _reasoning(rng: random.Random, corpus: Corpus, question: str, answer: str, long: bool) -> str:
+    openers = LONG_OPENERS if long else [t for t in corpus.thoughts if t not in LONG_OPENERS]
+    # Short: 2 + Geometric(0.4) sentences (mean 3.5, ~50 tokens). Long: 10 + Geometric(0.1), capped at 40
+    # (mean ~19, ~300 tokens).
+    num_sentences = 10 + min(_geometric(rng, 0.1), 30) if long else 2 + _geometric(rng, 0.4)
+    answer_sentences = _split_sentences(answer)
+    sentences = [rng.choice(openers)]
+    if rng.random() < 0.3:
+        sentences.append(f"The question is: {question}")
+    pool_thoughts = [t for t in corpus.thoughts if t not in LONG_OPENERS]
+    while len(sentences) < num_sentences:
+        roll = rng.random()
+        if roll < 0.35:
+            candidate = rng.choice(pool_thoughts)
+        elif roll < 0.8:
+            candidate = rng.choice(corpus.facts)
+        else:
+            candidate = rng.choice(answer_sentences)
+        if candidate not in sentences:  # no repeated sentence: the quality checks flag repetition
+            sentences.append(candidate)
+    # Paragraph breaks now and then, as real reasoning has them.
+    text = sentences[0]
+    for sentence in sentences[1:]:
+        text += ("\n\n" if rng.random() < 0.2 else " ") + sentence
+    return text
+
+
+def _answer(rng: random.Random, corpus: Corpus, answer: str, long: bool) -> str:
+    num_extra = 2 + _geometric(rng, 0.35) if long else (1 if rng.random() < 0.3 else 0)
+    extra = rng.sample(corpus.facts, num_extra)
+    if not extra:
+        return answer
+    if long and rng.random() < 0.5:
+        return answer + "\n\n" + "\n".join(f"- {fact}" for fact in extra)
+    return answer + " " + " ".join(extra)
+
+
+def synthesize_chat(rng: random.Random, corpus: Corpus) -> tuple[list[dict], str]:
+    """One (messages, completion) pair; completion is what follows the thinking generation prompt."""
+    messages: list[dict] = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    for _ in range(1 if rng.random() < 0.15 else 0):  # some chats carry one earlier exchange
+        question, answer = rng.choice(corpus.qa_pairs)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    question, answer = rng.choice(corpus.qa_pairs)
+    user_text, asks_long = _user_turn(rng, question, corpus)
+    messages.append({"role": "user", "content": user_text})
+    long = asks_long if asks_long is not None else rng.random() < LONG_FRACTION
+    reasoning = _reasoning(rng, corpus, question, answer, long)
+    completion = f"{reasoning}\n{THINK_END}\n\n{_answer(rng, corpus, answer, long)}{IM_END}"
+    return messages, completion
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+def train_tokenizer(corpus_path: Path = CORPUS_PATH):
+    """Byte-level BPE (GPT-2 / Qwen style: every byte is a token, so any text encodes) over the corpus."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_MAX_VOCAB,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in corpus_path.read_text(encoding="utf-8").splitlines() if not line.startswith("# ")]
+    # The role names follow <|im_start|> in every example; they deserve whole tokens.
+    scaffolding = [f"{role}\n" for role in ("system", "user", "assistant", "tool")] * 4
+    tokenizer.train_from_iterator(lines + scaffolding, trainer)
+    # Added after the BPE vocabulary, as in Qwen3 (ids len(bpe)..len(bpe)+4), each one token that text never
+    # splits. As in Qwen3, <think> and </think> are *not* special: decoding with skip_special_tokens=True (vLLM's
+    # default) keeps them in the text, so reasoning and answer can be told apart in the output text.
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS[:3]])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in SPECIAL_TOKENS[3:]])
+    return tokenizer
+
+
+def _tokenizer_config(tokenizer, chat_template: str) -> dict:
+    return {
+        # The generic fast class loads in transformers 4.x and 5.x alike (5.x maps it to TokenizersBackend).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(token)): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": token not in (THINK_START, THINK_END),
+            }
+            for token in SPECIAL_TOKENS
+        },
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "chat_template": chat_template,
+    }
+
+
+def _render_prompt(chat_template: str, messages: list[dict], enable_thinking: bool = True) -> str:
+    """Render like transformers' apply_chat_template does (same Jinja options), without loading a tokenizer."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(chat_template).render(
+        messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+def _model_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    # Written by hand, not by Qwen3Config.save_pretrained: the file is then the same under every transformers
+    # version (5.x writes rope_parameters, 4.x rope_theta; both read rope_theta) and holds no version string.
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[ENDOFTEXT],
+        "eos_token_id": ids[IM_END],
+        "pad_token_id": ids[ENDOFTEXT],
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN_SIZE,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "max_window_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_ATTENTION_HEADS,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": ROPE_THETA,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+
+
+def _examples(tokenizer, chat_template: str, corpus: Corpus, num_tokens: int, rng: random.Random):
+    """(token ids, index where the completion starts) for synthetic chats, in a fixed order, until num_tokens."""
+    examples, total = [], 0
+    while total < num_tokens:
+        messages, completion = synthesize_chat(rng, corpus)
+        prompt_ids = tokenizer.encode(_render_prompt(chat_template, messages)).ids
+        completion_ids = tokenizer.encode(completion).ids
+        ids = (prompt_ids + completion_ids)[:ROW_TOKENS]
+        examples.append((ids, len(prompt_ids)))
+        total += len(ids)
+    return examples
+
+
+def _packed_rows(examples, pad_id: int):
+    """Chats packed back to back into rows of ROW_TOKENS, in order (no padding between chats: ~2% is wasted at
+    row ends instead of ~40% with one padded chat per row). Position ids restart at 0 for every chat; with
+    attention_mask=None transformers turns that into a block-diagonal causal mask, so a chat never attends to the
+    one before it and training sees exactly what inference sees."""
+    import torch
+
+    rows, row = [], []
+    for ids, completion_start in examples:
+        if sum(len(i) for i, _ in row) + len(ids) > ROW_TOKENS:
+            rows.append(row)
+            row = []
+        row.append((ids, completion_start))
+    rows.append(row)
+    input_ids = torch.full((len(rows), ROW_TOKENS), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), ROW_TOKENS), dtype=torch.long)
+    labels = torch.full((len(rows), ROW_TOKENS), -100, dtype=torch.long)  # -100: no loss
+    for r, row in enumerate(rows):
+        offset = 0
+        for ids, completion_start in row:
+            end = offset + len(ids)
+            input_ids[r, offset:end] = torch.tensor(ids)
+            position_ids[r, offset:end] = torch.arange(len(ids))
+            # Loss on the completion only: prompts never need predicting, all capacity goes to the answer.
+            labels[r, offset + completion_start : end] = input_ids[r, offset + completion_start : end]
+            offset = end
+        # The padded tail is one more "sequence" (positions from 0), cut off from the chats, without loss.
+        position_ids[r, offset:] = torch.arange(ROW_TOKENS - offset)
+    return input_ids, position_ids, labels
+
+
+@contextlib.contextmanager
+def _fixed_threads(num_threads: int):
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(config: dict, examples, pad_id: int, train_steps: int, seed: int, log) -> dict:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa")).float()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:  # linear warmup, then cosine decay to 10%
+        if step < WARMUP_STEPS:
+            return (step + 1) / WARMUP_STEPS
+        progress = (step - WARMUP_STEPS) / max(1, train_steps - WARMUP_STEPS)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    input_ids, position_ids, labels = _packed_rows(examples, pad_id)
+    started = time.monotonic()
+    for step in range(train_steps):
+        rows = slice(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)
+        # use_cache=False: with a cache transformers would not build the per-chat (packed) attention mask.
+        loss = model(
+            input_ids=input_ids[rows], position_ids=position_ids[rows], labels=labels[rows], use_cache=False
+        ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == train_steps - 1:
+            log(f"step {step + 1}/{train_steps}  loss {loss.item():.3f}  {time.monotonic() - started:.0f}s")
+    # Tied embeddings: lm_head.weight is the embedding table, and checkpoints of tied models leave it out.
+    return {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in sorted(model.state_dict().items())
+        if name != "lm_head.weight"
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS, seed: int = 0) -> str:
+    """Write the model directory; returns output_dir. Deterministic: same args -> byte-identical files.
+
+    config.json is written last, so its presence means the directory is complete.
+    """
+    if train_steps < 0:
+        raise ValueError(f"train_steps must be >= 0, got {train_steps}")
+    from safetensors.torch import save_file
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = lambda message: print(f"[tiny-model] {message}", flush=True)  # noqa: E731
+
+    tokenizer = train_tokenizer()
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    chat_template = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    config = _model_config(vocab_size, ids)
+
+    with _fixed_threads(min(TRAIN_THREADS, os.cpu_count() or 1)):
+        # A few rows spare: the last chat of a row that does not fit moves to the next one.
+        num_tokens = (train_steps * ROWS_PER_STEP + 1) * ROW_TOKENS
+        examples = _examples(tokenizer, chat_template, load_corpus(), num_tokens, random.Random(seed))
+        log(f"training {train_steps} steps x {ROWS_PER_STEP} x {ROW_TOKENS} tokens, vocab {tokenizer.get_vocab_size()}")
+        tensors = _train(config, examples, ids[ENDOFTEXT], train_steps, seed, log)
+
+    # Fixed metadata: safetensors writes no timestamps, and tensors are sorted by name above.
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, chat_template))
+    (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    _write_json(
+        out / "generation_config.json",
+        {
+            # Qwen3.6 thinking mode. vLLM takes these as the default sampling parameters.
+            "bos_token_id": ids[ENDOFTEXT],
+            "pad_token_id": ids[ENDOFTEXT],
+            "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
+            "do_sample": True,
+            "temperature": 1.0,
+            "top_k": 20,
+            "top_p": 0.95,
+        },
+    )
+    _write_json(out / "build_info.json", {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": seed})
+    _write_json(out / "config.json", config)
+    return output_dir
+
+
+def _is_complete(model_dir: Path) -> bool:
+    info_path = model_dir / "build_info.json"
+    if not (model_dir / "config.json").exists() or not info_path.exists():
+        return False
+    return json.loads(info_path.read_text(encoding="utf-8")).get("recipe_version") == RECIPE_VERSION
+
+
+def ensure_tiny_model(output_dir: str) -> str:
+    """Build if output_dir/config.json is missing (or a marker says it is incomplete), else reuse.
+
+    Builds into a temp dir beside output_dir and renames it into place, so a killed build never leaves a half
+    model. A lock file makes concurrent callers (pytest workers, Ray actors on one node) build once and share.
+    """
+    out = Path(output_dir)
+    if _is_complete(out):
+        return output_dir
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _is_complete(out):  # another process built it while we waited
+            return output_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            build_tiny_model(str(tmp))
+            if out.exists():  # a stale recipe or a half-written model from a direct build_tiny_model call
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m job.tiny_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="model directory to write")
+    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    build_tiny_model(args.output, train_steps=args.train_steps, seed=args.seed)
+    print(f"[tiny-model] wrote {args.output} in {time.monotonic() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""Stage 2: hidden states equal a plain transformers forward, layer by layer, read back through the loader; the
+shards hold every kept row exactly once across limits, crashes and reruns; the stream equals the shards; the
+feature checks fire. Real Ray (local, 2 CPUs), real transformers, a real S3 protocol server (moto).
+
+Completion shards are written here with the stage-1 schema (token ids chosen by the test, error rows, flagged
+rows, a row longer than max_length), so these tests do not depend on vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from job import schema, storage
+from job.config import ConfigError, HiddenStatesConfig, RunConfig
+from job.extractor import (HiddenStateCheckError, Sample, TransformersExtractor, check_features, iter_records,
+                           load_model, plan_parts)
+from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
+from job.runs import RunError
+
+SHARDS = ((0, 8), (8, 20), (20, 26))  # stage-1 shard row ranges
+MAX_LENGTH = 128
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, tmp_path_factory) -> str:
+    """The project's tiny model when conftest provides it, else a random Qwen3 of the same shape."""
+    try:
+        return request.getfixturevalue("tiny_model_dir")
+    except pytest.FixtureLookupError:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+        path = str(tmp_path_factory.mktemp("model"))
+        Qwen3ForCausalLM(config).save_pretrained(path)
+        return path
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model_dir) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Plain transformers forward in float32: output_hidden_states of one unpadded sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def forward(input_ids) -> tuple:
+        with torch.no_grad():
+            return model(torch.as_tensor(np.asarray(input_ids), dtype=torch.long)[None],
+                         output_hidden_states=True).hidden_states
+
+    return forward
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def completion_rows(vocab: int, seed: int = 0) -> list[dict]:
+    """26 rows: every 7th (i % 7 == 3) an error row, every 5th (i % 5 == 1) flagged too_short, the first row of
+    each shard longer than MAX_LENGTH, one empty completion (row 12)."""
+    rng = np.random.default_rng(seed)
+    starts = {s for s, _ in SHARDS}
+    rows = []
+    for i in range(SHARDS[-1][1]):
+        prompt = rng.integers(0, vocab, size=int(rng.integers(3, 30))).tolist()
+        output = rng.integers(0, vocab, size=int(rng.integers(1, 80) if i not in starts else 200)).tolist()
+        if i == 12:
+            output = []
+        row = {c: None for c in schema.COMPLETION_COLUMNS}
+        row.update(id=f"row-{i:04d}", prompt_token_ids=prompt, output_token_ids=output, finish_reason="stop",
+                   num_prompt_tokens=len(prompt), num_output_tokens=len(output), seed=i,
+                   **{flag: False for flag in schema.QUALITY_FLAGS})
+        if i % 7 == 3:
+            row.update(error="prompt too long", prompt_token_ids=None, output_token_ids=None, num_prompt_tokens=None,
+                       num_output_tokens=None, **{flag: None for flag in schema.QUALITY_FLAGS})
+        if i % 5 == 1:
+            row[schema.FLAG_TOO_SHORT] = True
+        rows.append(row)
+    return rows
+
+
+def write_completions(run: str, rows: list[dict], storage_config=None) -> None:
+    for s, e in SHARDS:
+        table = pa.Table.from_pylist(rows[s:e], schema=schema.completion_schema())
+        storage.write_shard(storage.join(run, schema.COMPLETIONS_DIR, f"f00000-r{s:010d}-{e:010d}.arrow"), table,
+                            storage_config)
+    storage.write_json(storage.join(run, schema.RUN_JSON), {"config": {"model": "stage-1-model"}}, storage_config)
+
+
+def hs_config(model_dir: str, output: str, **hs) -> RunConfig:
+    hs = {"layer_ids": [0, 1, -1], "max_length": MAX_LENGTH, "batch_tokens": 256, "rows_per_shard": 3,
+          "dtype": "float32", **hs}
+    return RunConfig(model=model_dir, output=output, hidden_states=HiddenStatesConfig(**hs))
+
+
+def kept(rows: list[dict], keep_flagged: bool = True, limit: int | None = None) -> dict[str, dict]:
+    rows = rows[:limit] if limit else rows
+    return {r["id"]: r for r in rows if r["error"] is None and (r["prompt_token_ids"] or r["output_token_ids"])
+            and (keep_flagged or not r[schema.FLAG_TOO_SHORT])}
+
+
+def part_files(run: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(run, schema.HIDDEN_STATES_DIR)))
+
+
+@pytest.fixture(scope="module")
+def float32_run(model_dir, vocab_size, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("run-f32"))
+    rows = completion_rows(vocab_size)
+    write_completions(run, rows)
+    summary = run_hidden_states(hs_config(model_dir, run))
+    return run, rows, summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exactness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_features_equal_transformers_output_hidden_states_for_every_layer(float32_run, reference):
+    run, rows, summary = float32_run
+    want = kept(rows)
+    records = list(load(run))
+    assert sorted(r["id"] for r in records) == sorted(want)  # each kept row exactly once; errors/empty skipped
+    for rec in records:
+        row = want[rec["id"]]
+        full = row["prompt_token_ids"] + row["output_token_ids"]
+        ids = full[:MAX_LENGTH]
+        assert rec["layer_ids"] == [0, 1, 3]  # -1 resolved to the last of 4 layers
+        assert rec["input_ids"].tolist() == ids
+        assert rec["clipped"] == (len(full) > MAX_LENGTH) and rec["original_num_tokens"] == len(full)
+        n_prompt = min(len(row["prompt_token_ids"]), MAX_LENGTH)
+        assert rec["loss_mask"].tolist() == [0] * n_prompt + [1] * (len(ids) - n_prompt)
+        assert rec["hidden_states"].dtype == torch.float32 and rec["hidden_states"].shape == (len(ids), 3, 256)
+        hidden = reference(ids)
+        for j, k in enumerate(rec["layer_ids"]):
+            torch.testing.assert_close(rec["hidden_states"][:, j], hidden[k + 1][0], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"layer {k} of {rec['id']}: {m}")
+    assert sum(r["clipped"] for r in records) == 3
+    assert summary["num_samples"] == len(want) and summary["num_errors"] == 4
+    empty = next(r for r in records if r["id"] == "row-0012")  # an empty completion: kept, nothing to learn
+    assert empty["loss_mask"].sum() == 0 and len(empty["input_ids"]) > 0
+
+
+def test_shards_are_mmapped_zero_copy_with_metadata(float32_run, model_dir):
+    run, _, summary = float32_run
+    uri = summary["shards"][0]
+    table = storage.read_shard(uri, memory_map=True)
+    meta = table.schema.metadata
+    assert json.loads(meta[schema.META_LAYER_IDS]) == [0, 1, 3]
+    assert meta[schema.META_MODEL].decode() == model_dir and meta[schema.META_DTYPE] == b"float32"
+    assert meta[schema.META_HIDDEN_SIZE] == b"256" and b"decoder layer" in meta[schema.META_LAYER_CONVENTION]
+    data = table.column(schema.HIDDEN_STATES).chunk(0).values.buffers()[1]
+    for rec in iter_records(table):  # the tensor points into the file mapping: nothing was copied
+        assert data.address <= rec["hidden_states"].data_ptr() < data.address + data.size
+    report = storage.read_json(summary["report"])
+    assert report["padding_waste"] < 0.5 and report["tokens_per_s"] > 0 and report["bytes"] > 0
+    assert set(report["layers"]) == {"0", "1", "3"} and report["num_clipped"] == 3
+
+
+def test_bf16_close_to_float32_and_flagged_rows_skipped_by_config(model_dir, vocab_size, reference, tmp_path):
+    rows = completion_rows(vocab_size, seed=1)
+    write_completions(str(tmp_path), rows)
+    summary = run_hidden_states(hs_config(model_dir, str(tmp_path), dtype="bfloat16", keep_flagged=False,
+                                            layer_ids=[0, 3], batch_tokens=512, rows_per_shard=8))
+    want = kept(rows, keep_flagged=False)
+    records = list(load(str(tmp_path)))
+    assert sorted(r["id"] for r in records) == sorted(want)
+    assert summary["num_skipped_flagged"] == sum(1 for r in rows if r["error"] is None and r["too_short"])
+    for rec in records:
+        assert rec["hidden_states"].dtype == torch.bfloat16
+        hidden = reference(rec["input_ids"])
+        for j, k in enumerate([0, 3]):
+            got, ref = rec["hidden_states"][:, j].float(), hidden[k + 1][0]
+            assert (got - ref).norm() / ref.norm() < 2e-2, f"layer {k} of {rec['id']}"
+
+
+def test_stream_equals_written_shards(float32_run, model_dir):
+    run, _, _ = float32_run
+    written = {r["id"]: r for r in load(run)}
+    streamed = {}
+    for batch in dataset(hs_config(model_dir, run)).iter_torch_batches(batch_size=4, collate_fn=collate):
+        for i, sid in enumerate(batch[schema.ID]):
+            streamed[sid] = {k: v[i] for k, v in batch.items()}
+    assert set(streamed) == set(written)
+    for sid, rec in streamed.items():
+        assert torch.equal(rec[schema.HIDDEN_STATES], written[sid]["hidden_states"])
+        assert torch.equal(rec[schema.INPUT_IDS], written[sid]["input_ids"])
+        assert torch.equal(rec[schema.LOSS_MASK], written[sid]["loss_mask"])
+        assert bool(rec[schema.CLIPPED]) == written[sid]["clipped"]
+
+
+def test_packed_and_padded_batches_both_equal_transformers(model_dir, vocab_size, reference):
+    """Both batch layouts of the core: right-padded rows (SDPA with a mask) and packed rows (positions restart per
+    sequence; on CPU the packed attention runs causal SDPA per sequence, on CUDA torch's varlen flash kernel)."""
+    rng = np.random.default_rng(5)
+    samples = [Sample(id=f"s{i}", input_ids=rng.integers(0, vocab_size, size=int(n), dtype=np.int32),
+                      num_prompt_tokens=2, original_num_tokens=int(n), row=i)
+               for i, n in enumerate(rng.integers(5, 150, size=10))]
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    for attention in ("packed", "padded"):
+        extractor = TransformersExtractor(model, layer_ids=[0, 2, -1], batch_tokens=300, attention=attention)
+        for part in extractor.run(list(enumerate(plan_parts(samples, 4))), pooled=False):
+            feats, pos = torch.from_numpy(part.features).view(torch.float32), 0
+            for s in part.samples:
+                got = feats[pos:pos + s.num_tokens * 3 * 256].view(s.num_tokens, 3, 256)
+                pos += s.num_tokens * 3 * 256
+                hidden = reference(s.input_ids)
+                for j, k in enumerate(extractor.layer_ids):
+                    torch.testing.assert_close(got[:, j], hidden[k + 1][0], rtol=1e-4, atol=1e-5)
+        extractor.close()
+        assert (extractor.stats.num_padded_tokens == extractor.stats.num_tokens) == (attention == "packed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exactly once: limits, crashes, reruns, drift
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_limit_crash_and_rerun_keep_every_row_exactly_once(model_dir, vocab_size, tmp_path, capsys):
+    run = str(tmp_path)
+    rows = completion_rows(vocab_size, seed=2)
+    write_completions(run, rows)
+    config = hs_config(model_dir, run)
+
+    # --limit 10: shard 1 whole, the first 2 rows of shard 2 (parts named with their limit).
+    config.limit = 10
+    run_hidden_states(config)
+    assert sorted(r["id"] for r in load(run)) == sorted(kept(rows, limit=10))
+    assert any("-n2-p0000" in name for name in part_files(run))
+
+    # The full run replaces the limited unit's parts and adds the rest.
+    config.limit = None
+    run_hidden_states(config)
+    ids = [r["id"] for r in load(run)]
+    assert sorted(ids) == sorted(kept(rows)) and len(ids) == len(set(ids))
+    assert not any("-n2-" in name for name in part_files(run))
+
+    # A crash mid-unit: one part and the unit's marker missing. The rerun writes exactly that part again: the same
+    # rows, the same features (up to float rounding: its rows now share batches with no other part's).
+    hs_dir = os.path.join(run, schema.HIDDEN_STATES_DIR)
+    victim = os.path.join(hs_dir, "f00000-r0000000008-0000000020-p0001.arrow")
+    before = storage.read_shard(victim)
+    mtimes = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
+    os.remove(victim)
+    os.remove(os.path.join(hs_dir, "_done", "f00000-r0000000008-0000000020.json"))
+    summary = run_hidden_states(config)
+    assert summary["num_tokens_extracted"] == sum(before.column(schema.NUM_TOKENS).to_pylist())
+    after = storage.read_shard(victim)
+    assert after.drop_columns([schema.HIDDEN_STATES]).equals(before.drop_columns([schema.HIDDEN_STATES]))
+    for a, b in zip(iter_records(after), iter_records(before)):
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4, atol=1e-5)
+    assert all(os.path.getmtime(os.path.join(hs_dir, n)) == t for n, t in mtimes.items() if n not in victim)
+    ids = [r["id"] for r in load(run)]
+    assert sorted(ids) == sorted(kept(rows))
+
+    # A finished run does nothing; changed settings are refused.
+    capsys.readouterr()
+    summary = run_hidden_states(config)
+    assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    with pytest.raises(RunError, match="layer_ids"):
+        run_hidden_states(hs_config(model_dir, run, layer_ids=[0, 2]))
+
+
+def test_s3_output_round_trips(model_dir, vocab_size, s3_bucket):
+    run = f"s3://{s3_bucket}/run"
+    rows = completion_rows(vocab_size, seed=3)
+    write_completions(run, rows)
+    config = hs_config(model_dir, run, layer_ids=[2])
+    # The actors' environment: cluster workers (and a Ray started before the S3 server) lack the driver's.
+    config.env_vars = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                  "AWS_REGION")}
+    summary = run_hidden_states(config)
+    assert summary["shards"] and all(u.startswith(f"{run}/hidden_states/") for u in summary["shards"])
+    assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks, estimate, backends, imports
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _samples(n: int = 3) -> list[Sample]:
+    return [Sample(id=f"s{i}", input_ids=np.arange(5, dtype=np.int32), num_prompt_tokens=2, original_num_tokens=5,
+                   row=i) for i in range(n)]
+
+
+def test_checks_name_layer_and_sample_for_nan_zero_and_implausible_norms():
+    samples, ok = _samples(), np.full((3, 2), 5 * 64 * 1.0)  # RMS 1.0 everywhere
+    kwargs = dict(layer_ids=[1, 7], hidden_size=64, min_rms=1e-5, max_rms=1e4)
+    check_features(samples, ok, np.zeros((3, 2)), **kwargs)
+    nonfinite = np.zeros((3, 2))
+    nonfinite[1, 1] = 2
+    with pytest.raises(HiddenStateCheckError, match=r"layer 7 of sample 's1'.*NaN/inf"):
+        check_features(samples, ok, nonfinite, **kwargs)
+    zero = ok.copy()
+    zero[2, 0] = 0
+    with pytest.raises(HiddenStateCheckError, match=r"layer 1 of sample 's2'.*all zero"):
+        check_features(samples, zero, np.zeros((3, 2)), **kwargs)
+    huge = ok * 1e12
+    with pytest.raises(HiddenStateCheckError, match=r"layer 1 of sample 's0'.*RMS"):
+        check_features(samples, huge, np.zeros((3, 2)), **kwargs)
+
+
+def test_checks_fire_on_features_of_a_broken_model(model_dir, vocab_size, tmp_path):
+    # All-zero features: zero embeddings and zero residual writes make every layer output exactly zero.
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    extractor = TransformersExtractor(model, layer_ids=[1])
+    with pytest.raises(HiddenStateCheckError, match=r"layer 1 of sample 's0'.*all zero"):
+        list(extractor.run(list(enumerate(plan_parts(_samples(), 2)))))
+
+    # NaN weights in layer 2, through the whole Ray job: the job stops and names the layer and a sample.
+    broken = str(tmp_path / "nan-model")
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(broken)
+    run = str(tmp_path / "run")
+    write_completions(run, completion_rows(vocab_size))
+    with pytest.raises(HiddenStateCheckError, match=r"layer 2 of sample 'row-\d+'.*NaN"):
+        run_hidden_states(hs_config(broken, run, layer_ids=[0, 2]))
+
+
+def test_estimate_counts_bytes_per_token_and_clipped_total(model_dir, vocab_size, tmp_path):
+    rows = completion_rows(vocab_size, seed=4)
+    write_completions(str(tmp_path), rows)
+    est = estimate_storage(hs_config(model_dir, str(tmp_path), dtype="bfloat16", layer_ids=[0, -1]))
+    assert est["feature_bytes_per_token"] == 2 * 256 * 2 and est["bytes_per_token"] == 2 * 256 * 2 + 5
+    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["output_token_ids"]), MAX_LENGTH) for r in kept(rows).values())
+    assert est["num_tokens"] == tokens and est["total_bytes"] == tokens * est["bytes_per_token"]
+
+
+def test_vllm_backend_on_cpu_fails_with_a_clear_message(model_dir, vocab_size, tmp_path):
+    write_completions(str(tmp_path), completion_rows(vocab_size))
+    with pytest.raises(ConfigError, match="needs a CUDA GPU.*pin_memory"):
+        run_hidden_states(hs_config(model_dir, str(tmp_path), backend="vllm", layer_ids=[1]))
+
+
+def test_config_errors_are_clear(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="batch_tokens"):
+        HiddenStatesConfig(max_length=4096, batch_tokens=1024)
+    with pytest.raises(ConfigError, match="out of range"):
+        run_hidden_states(hs_config(model_dir, str(tmp_path), layer_ids=[4]))
+    with pytest.raises(ConfigError, match="no completion shards"):
+        run_hidden_states(hs_config(model_dir, str(tmp_path), layer_ids=[0]))
+
+
+def test_imports_are_light_and_the_core_runs_without_ray(model_dir):
+    code = ("import sys, job.hidden_states, job.extractor\n"
+            "heavy = [m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    code = ("import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None\n"
+            "import numpy as np\n"
+            "from job.extractor import *\n"
+            f"ex = TransformersExtractor(load_model({model_dir!r}, dtype='float32', device='cpu'), layer_ids=[0])\n"
+            "s = [Sample(id='a', input_ids=np.arange(9, dtype=np.int32), num_prompt_tokens=4, original_num_tokens=9,"
+            " row=0)]\n"
+            "(part,) = ex.run([(0, s)])\n"
+            "assert part.features.nbytes == 9 * 256 * 4\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
