@@ -93,7 +93,9 @@ def run_raydata(config) -> dict:
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    ray.init(num_cpus=os.cpu_count(), num_gpus=1, include_dashboard=False)  # ray.data.llm asks for a GPU
+    # ray.data.llm asks for a GPU, and its chat-template, tokenize, detokenize and engine actors each reserve a
+    # logical CPU: with the 2 real CPUs as logical ones it never schedules its engine. 8 logical CPUs on 2 cores.
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     sampling = _sampling(config)
     proc_config = vLLMEngineProcessorConfig(
@@ -123,6 +125,13 @@ def _child(which: str, num_prompts: int) -> None:
         os.environ.update(config.env_vars)
         result = {"plain": run_plain, "stage1": run_stage1, "raydata": run_raydata}[which](config)
     print("RESULT " + json.dumps(result), flush=True)
+    # vLLM's engine processes outlive LLM (and would hold our stdout open): end them, then leave at once.
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        p.kill()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:

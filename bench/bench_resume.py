@@ -15,7 +15,6 @@ The resume state is the list of shard names: O(shards), never O(ids).
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import sys
 import tempfile

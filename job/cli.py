@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
 from job.config import ConfigError, RunConfig, load_config

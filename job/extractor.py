@@ -265,7 +265,7 @@ def iter_records(table: pa.Table) -> Iterator[dict]:
     layer_ids = json.loads(meta[schema.META_LAYER_IDS])
     dtype = meta[schema.META_DTYPE].decode()
     hidden = int(meta[schema.META_HIDDEN_SIZE])
-    tdtype, per_token = _torch_dtype(dtype), len(layer_ids) * hidden
+    tdtype = _torch_dtype(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": a read-only mapping, documented above
         for batch in table.to_batches():

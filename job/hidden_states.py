@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from job import runs, schema, storage
@@ -148,23 +147,11 @@ def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
             "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend}
 
 
-def _read_columns(uri: str, columns: list[str], config: RunConfig) -> pa.Table:
-    """Only the named columns of an Arrow IPC file: ranged reads, so token-id lists are never fetched."""
-    fs, path = storage.resolve(uri, config.storage)
-
-    def read():
-        with fs.open_input_file(path) as f:
-            names = ipc.open_file(f).schema.names
-            wanted = [names.index(c) for c in columns if c in names]
-            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
-
-    return storage.with_retries(read, what=f"read {uri}", storage=config.storage)
-
 
 def _kept_tokens(unit: Unit, config: RunConfig) -> tuple[int, int]:
     hs = config.hidden_states
     cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
-    t = _read_columns(unit.uri, cols, config).slice(0, unit.num_rows)
+    t = storage.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
     keep = ~t.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
     if not hs.keep_flagged:
         for flag in schema.QUALITY_FLAGS:

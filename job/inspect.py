@@ -114,7 +114,7 @@ def format_overview(ov: dict) -> str:
         f"model      {ov['model']}",
         f"input      {ov['input'].get('uri', '?')}: {rows} rows in {ov['input'].get('num_files', '?')} files",
         f"sampling   {sampling}; thinking {'on' if ov['enable_thinking'] else 'off'}",
-        f"engine     " + (", ".join(f"{k}={v}" for k, v in sorted(ov["engine_kwargs"].items())) or "defaults"),
+        "engine     " + (", ".join(f"{k}={v}" for k, v in sorted(ov["engine_kwargs"].items())) or "defaults"),
         f"stage 1    {ov['generate_status']}" + ("" if ov["canary_passed"] is None else
                                                  f" (canary {'passed' if ov['canary_passed'] else 'not passed'})"),
         f"stage 2    {ov['hidden_states_status']}; layers {ov['hidden_states_config'].get('layer_ids', '?')}, "
@@ -128,18 +128,6 @@ def format_overview(ov: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _read_columns(uri: str, columns: list[str], storage_config: StorageConfig | None) -> pa.Table:
-    """Only the named columns of one Arrow IPC file (those it has): ranged reads through the file's footer."""
-    fs, path = storage.resolve(uri, storage_config)
-
-    def read():
-        with fs.open_input_file(path) as f:
-            names = ipc.open_file(f).schema.names
-            wanted = [names.index(c) for c in columns if c in names]
-            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
-
-    return storage.with_retries(read, what=f"read {uri}", storage=storage_config)
-
 
 def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
               num_threads: int = 16) -> pa.Table:
@@ -147,7 +135,7 @@ def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: St
     columns = columns or ROW_COLUMNS
     shards = completion_shards(run_uri, storage_config)
     with ThreadPoolExecutor(num_threads) as pool:
-        tables = list(pool.map(lambda u: _read_columns(u, columns, storage_config), shards))
+        tables = list(pool.map(lambda u: storage.read_shard_columns(u, columns, storage_config), shards))
     tables = [t.select([c for c in columns if c in t.column_names])
               .append_column(SHARD, pa.array([uri] * t.num_rows, pa.string())) for uri, t in zip(shards, tables)]
     if not tables:  # no shard yet: the same columns, no rows
@@ -591,7 +579,7 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
         infos = storage.with_retries(fs.get_file_info, [storage.resolve(u, storage_config)[1] for u in shards],
                                      what=f"stat {run_uri}/hidden_states", storage=storage_config)
         with ThreadPoolExecutor(16) as pool:
-            counts = list(pool.map(lambda u: _read_columns(u, [schema.NUM_TOKENS], storage_config), shards))
+            counts = list(pool.map(lambda u: storage.read_shard_columns(u, [schema.NUM_TOKENS], storage_config), shards))
         out["stored_bytes"] = int(sum(i.size for i in infos))
         out["stored_tokens"] = int(sum(pc.sum(t.column(schema.NUM_TOKENS)).as_py() or 0 for t in counts))
         if out["stored_tokens"]:

@@ -25,10 +25,11 @@ def completion_shards(run_uri: str, storage_config: StorageConfig | None = None)
 
 def read_completion_columns(run_uri: str, columns: list[str] | None = None,
                             storage_config: StorageConfig | None = None) -> pa.Table:
-    tables = [storage.read_shard(u, storage_config).select(columns or _REPORT_COLUMNS)
+    columns = columns or _REPORT_COLUMNS
+    tables = [storage.read_shard_columns(u, columns, storage_config).select(columns)
               for u in completion_shards(run_uri, storage_config)]
     if not tables:
-        return schema.completion_schema().empty_table().select(columns or _REPORT_COLUMNS)
+        return schema.completion_schema().empty_table().select(columns)
     return pa.concat_tables(tables)
 
 

@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-import pyarrow.ipc as ipc
 
 from job import schema, storage
 from job.inputs import parse_shard_name
@@ -72,17 +71,6 @@ def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[st
     return sorted(out)
 
 
-def _read_small_columns(uri: str, storage_config: StorageConfig) -> pa.Table:
-    fs, path = storage.resolve(uri, storage_config)
-
-    def _read() -> pa.Table:
-        with fs.open_input_file(path) as f:
-            names = ipc.open_file(f).schema.names
-            wanted = [names.index(c) for c in _SCAN_COLUMNS if c in names]
-            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
-
-    return storage.with_retries(_read, what=f"read {uri}", storage=storage_config)
-
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
                      num_threads: int = 32) -> list[ShardStat]:
@@ -98,7 +86,7 @@ def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, 
                                size=size, num_rows=parsed[2] - parsed[1]))
     if read_columns and stats:
         def fill(stat: ShardStat) -> None:
-            t = _read_small_columns(storage.join(directory, stat.name), storage_config)
+            t = storage.read_shard_columns(storage.join(directory, stat.name), _SCAN_COLUMNS, storage_config)
             stat.num_rows = t.num_rows
             if schema.ERROR in t.column_names:
                 stat.num_errors = t.num_rows - t.column(schema.ERROR).null_count

@@ -180,6 +180,20 @@ def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool 
     return ipc.open_file(pa.BufferReader(read_bytes(uri, storage))).read_all()
 
 
+def read_shard_columns(uri: str, columns: list[str], storage: StorageConfig | None = None) -> pa.Table:
+    """Only the named columns (those the file has) of one Arrow IPC file: ranged reads through the footer, so
+    token-id lists and features are never fetched when only counts are wanted."""
+    fs, path = resolve(uri, storage)
+
+    def _read() -> pa.Table:
+        with fs.open_input_file(path) as f:
+            names = ipc.open_file(f).schema.names
+            wanted = [names.index(c) for c in columns if c in names]
+            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
+
+    return with_retries(_read, what=f"read {uri}", storage=storage)
+
+
 def delete(uri: str, storage: StorageConfig | None = None) -> None:
     fs, path = resolve(uri, storage)
     with_retries(fs.delete_file, path, what=f"delete {uri}", storage=storage)

@@ -7,10 +7,8 @@ import time
 from collections import Counter
 
 import pyarrow as pa
-import pytest
 from conftest import read_run, simple_prompts, write_prompts
 
-from job import schema
 from job.generate import run_generate
 from job.prompts import render_prompt_ids
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pyarrow as pa
 import pytest
 from conftest import DEMO_CONFIG, REPO, simple_prompts, write_prompts
 
