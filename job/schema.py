@@ -90,7 +90,10 @@ META_LAYER_IDS = b"layer_ids"
 META_LAYER_CONVENTION = b"layer_convention"
 META_DTYPE = b"dtype"
 META_HIDDEN_SIZE = b"hidden_size"
-LAYER_CONVENTION = "layer k = output of decoder layer k (0-based) = transformers output_hidden_states[k + 1]"
+# transformers applies the model's final norm to its last hidden_states entry, so the last layer is stored after
+# that norm, exactly as output_hidden_states returns it (vLLM exposes the pre-norm value: its backend refuses it).
+LAYER_CONVENTION = ("layer k = output of decoder layer k (0-based) = transformers output_hidden_states[k + 1]; "
+                    "the last layer is after the final norm")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Run directory layout
