@@ -195,7 +195,7 @@ def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, 
     metadata = {
         schema.META_MODEL: model,
         schema.META_LAYER_IDS: json.dumps(layer_ids),
-        schema.META_LAYER_CONVENTION: schema.LAYER_CONVENTION + " (last layer: after the final norm, as there)",
+        schema.META_LAYER_CONVENTION: schema.LAYER_CONVENTION,
         schema.META_DTYPE: dtype,
         schema.META_HIDDEN_SIZE: str(hidden_size),
     }
