@@ -7,21 +7,26 @@ already opened `<think>\n`. This module builds one from `job/data/corpus.txt` (~
 with the package), deterministically: the same arguments give byte-identical files on the same machine and
 package versions.
 
-    python -m job.tiny_model --output .cache/tiny-model                  # default recipe, ~1 min on 2 cores
-    python -m job.tiny_model --output /tmp/tiny --train-steps 5          # a few seconds: shape-only tests
+    python -m job.tiny_model --output .cache/tiny-model                  # default recipe, ~85 s on 2 cores
+    python -m job.tiny_model --output /tmp/tiny --train-steps 5          # ~5 s: loadable, not trained
 
     from job.tiny_model import ensure_tiny_model
     model_dir = ensure_tiny_model(".cache/tiny-model")                   # builds once, then reuses
 
 The directory is a normal Hugging Face model directory:
 
-    config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab ~2.1K (padded to 64)
-    model.safetensors        ~6 MB of bf16 weights (embeddings tied to the LM head, so no lm_head.weight)
+    config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab 3840 (3792 used)
+    model.safetensors        6.7 MB of bf16 weights (embeddings tied to the LM head, so no lm_head.weight)
     tokenizer.json           byte-level BPE trained on the corpus: any text encodes
     tokenizer_config.json    eos <|im_end|>, pad <|endoftext|>, the chat template
     chat_template.jinja      the same template (transformers 5 reads this file first)
     generation_config.json   Qwen3.6 thinking-mode sampling: temperature 1.0, top_k 20, top_p 0.95
     build_info.json          recipe version, train steps and seed (ensure_tiny_model rebuilds on a new recipe)
+
+Sampled with the generation config after the thinking prompt, ~85-90% of outputs are
+`reasoning\n</think>\n\nanswer<|im_end|>`; the rest wander into word salad and stop or run long. Output lengths
+have a long tail: median ~100 tokens, a tenth over ~300, a few run to max_tokens. The text itself is word salad
+stitched from corpus sentences: this model exercises the pipeline, it knows nothing.
 """
 
 from __future__ import annotations
@@ -45,14 +50,14 @@ CORPUS_PATH = DATA_DIR / "corpus.txt"
 CHAT_TEMPLATE_PATH = DATA_DIR / "chat_template.jinja"
 
 # Bump when anything below changes what gets built; ensure_tiny_model() then rebuilds stale cached models.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model shape
 # ---------------------------------------------------------------------------------------------------------------
-# head_dim must be 64: vLLM's CPU attention kernels reject 16. 4 layers x hidden 256 is ~2.4M parameters plus
-# ~0.5M of embeddings: large enough to learn the answer format in about a minute on 2 CPU cores, small enough
-# that vLLM CPU serves hundreds of tokens/s and a test loads it in a second.
+# head_dim must be 64: vLLM's CPU attention kernels reject 16. 4 layers x hidden 256 is 2.4M parameters plus
+# 1.0M of (tied) embeddings: large enough to learn the answer format in ~80 s on 2 CPU cores, small enough that
+# vLLM CPU generates ~4K tokens/s over 64 requests and a test loads it in a second.
 HIDDEN_SIZE = 256
 NUM_LAYERS = 4
 NUM_ATTENTION_HEADS = 4
@@ -61,8 +66,9 @@ HEAD_DIM = 64
 INTERMEDIATE_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 4096
 ROPE_THETA = 10000.0
-# BPE on 35 KB of text stops around 2K tokens (min_frequency=2 leaves no more merges to make); the cap is
-# never reached but keeps a bigger corpus from growing the embedding table past the model.
+# BPE with min_frequency=1 on the ~37 KB corpus stops at ~3.8K tokens, by then nearly every corpus word is one
+# token: the model learns word sequences instead of spelling (with 2K tokens it spent most of its training on
+# word fragments). The cap is not reached; it keeps a bigger corpus from growing the embedding table.
 TOKENIZER_MAX_VOCAB = 4096
 VOCAB_PAD_MULTIPLE = 64
 
@@ -76,13 +82,18 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END)
 # ---------------------------------------------------------------------------------------------------------------
 # Training recipe
 # ---------------------------------------------------------------------------------------------------------------
-# 120 steps x 16 chats (~190 tokens each) is ~360K tokens: ~60 s on 2 cores, enough for >90% of samples at
-# temperature 1.0 to close the think block and stop. Tests that only need a loadable model use ~5 steps.
-DEFAULT_TRAIN_STEPS = 120
+# 400 steps of one 1024-token row (~5 chats) is 410K tokens: 0.2 s a step, ~80 s on 2 idle cores (several times
+# longer when other processes keep the cores busy: the OpenMP threads then wait on each other). Learning is
+# limited by the number of optimizer steps, not tokens: 60 steps of 4 rows stayed at loss 5 and word salad, 400
+# of 1 row reach loss ~2 and the format. 300 steps gave as many well-formed outputs but almost no long ones.
+# Tests that only need a loadable model use ~5 steps.
+DEFAULT_TRAIN_STEPS = 400
 ROWS_PER_STEP = 1
-# Chats are packed into rows of this many tokens; it is above the longest chat the synthesizer makes (~40
-# reasoning sentences), so every chat is learned in full, including its <|im_end|>.
-ROW_TOKENS = 768
+# Chats are packed into rows of this many tokens; it is above nearly every chat the synthesizer makes (up to 40
+# reasoning sentences), so chats are learned in full, including their <|im_end|>. 768-token rows (capping
+# reasoning at 30 sentences) were 25% cheaper but closed the think block twice far more often.
+ROW_TOKENS = 1024
+# 1e-2 with 1-row steps; 5e-3 reached the same loss but closed the think block twice more often.
 LEARNING_RATE = 1e-2
 BOUNDARY_LOSS_WEIGHT = 3.0
 WARMUP_STEPS = 10
@@ -101,7 +112,7 @@ class Corpus:
     qa_pairs: list[tuple[str, str]]
     """(question, answer) from `Q:` / `A:` line pairs."""
     facts: list[str]
-    """Plain sentences: filler for reasoning and longer answers."""
+    """Plain sentences: filler for the reasoning."""
     thoughts: list[str]
     """Reasoning-style sentences ("Let me check whether the numbers add up.")."""
 
@@ -144,7 +155,7 @@ def _split_sentences(text: str) -> list[str]:
 # target's format. Output lengths must have a long tail (the benchmarks measure how an engine copes with it), so
 # a chat is "long" with probability LONG_FRACTION or when the user asks for steps. A long chat opens its
 # reasoning with one of LONG_OPENERS: the model picks the opener itself when sampling, and then keeps going for
-# ~20 sentences instead of ~3, so the sampled lengths are a mixture: most 50-150 tokens, ~15% 300-700.
+# ~20 sentences instead of ~3, so the sampled lengths are a mixture: most 50-150 tokens, a tenth 300-800.
 LONG_FRACTION = 0.15
 LONG_OPENERS = (
     "Let me think about this step by step.",
@@ -184,7 +195,7 @@ def _reasoning(rng: random.Random, corpus: Corpus, question: str, long: bool) ->
     thoughts = [t for t in corpus.thoughts if t not in LONG_OPENERS]
     # Short: 2 + Geometric(0.4) sentences (mean 3.5, ~50 tokens). Long: 10 + Geometric(0.1), capped at 40
     # (mean ~19, ~300 tokens).
-    num_sentences = 10 + min(_geometric(rng, 0.1), 20) if long else 2 + _geometric(rng, 0.4)
+    num_sentences = 10 + min(_geometric(rng, 0.1), 30) if long else 2 + _geometric(rng, 0.4)
     sentences = [rng.choice(LONG_OPENERS if long else thoughts)]
     if rng.random() < 0.3:
         sentences.append(f"The question is: {question}")
@@ -392,8 +403,8 @@ def _boundary_tokens(tokenizer, vocab_size: int):
 
 def _weighted_loss(logits, input_ids, labels, is_boundary):
     """Cross-entropy over the completion, with BOUNDARY_LOSS_WEIGHT on predictions made right after a boundary
-    token. Those few positions (~1 in 12) carry the whole answer format; weighting them 3x roughly halves the
-    samples that stop inside the think block or close it twice, at the same training cost."""
+    token. Those few positions (~1 in 12) carry the whole answer format (go on, close the think block, stop), so
+    they count 3x; the weight was chosen, not tuned, and costs nothing."""
     import torch
 
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
@@ -490,6 +501,7 @@ def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS,
 
     # Fixed metadata: safetensors writes no timestamps, and tensors are sorted by name above.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o644)  # safetensors creates it 0600; other users' engines read it
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, chat_template))
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
@@ -511,30 +523,34 @@ def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS,
     return output_dir
 
 
-def _is_complete(model_dir: Path) -> bool:
+def _is_complete(model_dir: Path, train_steps: int) -> bool:
+    """config.json is written last; build_info.json must name this recipe and step count."""
     info_path = model_dir / "build_info.json"
     if not (model_dir / "config.json").exists() or not info_path.exists():
         return False
-    return json.loads(info_path.read_text(encoding="utf-8")).get("recipe_version") == RECIPE_VERSION
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    return info == {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": 0}
 
 
-def ensure_tiny_model(output_dir: str) -> str:
+def ensure_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS) -> str:
     """Build if output_dir/config.json is missing (or a marker says it is incomplete), else reuse.
 
     Builds into a temp dir beside output_dir and renames it into place, so a killed build never leaves a half
     model. A lock file makes concurrent callers (pytest workers, Ray actors on one node) build once and share.
+    A model from an older recipe (build_info.json) is rebuilt.
     """
     out = Path(output_dir)
-    if _is_complete(out):
+    if _is_complete(out, train_steps):
         return output_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if _is_complete(out):  # another process built it while we waited
+        if _is_complete(out, train_steps):  # another process built it while we waited
             return output_dir
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            build_tiny_model(str(tmp))
+            build_tiny_model(str(tmp), train_steps=train_steps)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
             if out.exists():  # a stale recipe or a half-written model from a direct build_tiny_model call
                 shutil.rmtree(out)
             os.rename(tmp, out)
@@ -546,7 +562,8 @@ def ensure_tiny_model(output_dir: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m job.tiny_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="model directory to write")
-    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS,
+                        help="optimizer steps (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()

@@ -1,0 +1,197 @@
+"""The project's tiny model: deterministic build, loads in transformers and in vLLM (CPU build), renders the
+Qwen3 thinking prompt, and answers in the target's format often enough to stand in for it.
+
+The default model comes from the session fixture `tiny_model_dir` (tests/conftest.py, ~85 s to build once per
+checkout, then cached in .cache/tiny-model); everything else here builds 2-5-step models in a few seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+from job.tiny_model import build_tiny_model, ensure_tiny_model
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+NUM_SAMPLES = 32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------------------------
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_build_is_deterministic(tmp_path):
+    first = _files(Path(build_tiny_model(str(tmp_path / "a"), train_steps=5)))
+    second = _files(Path(build_tiny_model(str(tmp_path / "b"), train_steps=5)))
+    assert sorted(first) == [
+        "build_info.json", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json",
+    ]
+    for name in first:
+        assert first[name] == second[name], f"{name} differs between two identical builds"
+    # A different seed is a different model (the comparison above is not vacuous).
+    third = _files(Path(build_tiny_model(str(tmp_path / "c"), train_steps=5, seed=1)))
+    assert third["model.safetensors"] != first["model.safetensors"]
+
+
+def test_ensure_builds_once_and_replaces_incomplete_models(tmp_path):
+    model_dir = tmp_path / "cache" / "tiny"
+    ensure_tiny_model(str(model_dir), train_steps=2)
+    config_mtime = (model_dir / "config.json").stat().st_mtime_ns
+    ensure_tiny_model(str(model_dir), train_steps=2)  # complete: reused as is
+    assert (model_dir / "config.json").stat().st_mtime_ns == config_mtime
+
+    # What a build killed half way leaves (config.json is written last, so it is missing): rebuilt.
+    (model_dir / "config.json").unlink()
+    (model_dir / "model.safetensors").write_bytes(b"truncated")
+    ensure_tiny_model(str(model_dir), train_steps=2)
+    assert json.loads((model_dir / "config.json").read_text())["model_type"] == "qwen3"
+    assert (model_dir / "model.safetensors").stat().st_size > 1_000_000
+    # An older recipe or another step count is rebuilt too.
+    info = json.loads((model_dir / "build_info.json").read_text())
+    (model_dir / "build_info.json").write_text(json.dumps({**info, "recipe_version": 0}))
+    ensure_tiny_model(str(model_dir), train_steps=2)
+    assert json.loads((model_dir / "build_info.json").read_text()) == info
+    # No temp dirs left beside it, and the directory is readable by others (mkdtemp makes 0700).
+    assert sorted(p.name for p in model_dir.parent.iterdir() if not p.name.endswith(".lock")) == ["tiny"]
+    assert model_dir.stat().st_mode & 0o777 == 0o755
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers
+# ---------------------------------------------------------------------------------------------------------------
+def test_config_matches_qwen3_shape(tiny_model_dir, tokenizer):
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert config["head_dim"] == 64  # vLLM's CPU attention rejects 16
+    assert config["vocab_size"] >= len(tokenizer) and config["vocab_size"] % 64 == 0
+    assert 2000 <= len(tokenizer) <= 4096
+    generation = json.loads((Path(tiny_model_dir) / "generation_config.json").read_text())
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    assert generation == {
+        "bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95,
+    }
+
+
+def test_tokenizer_special_tokens(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    for token in SPECIAL_TOKENS:
+        ids = tokenizer.encode(f"a {token} b", add_special_tokens=False)
+        assert tokenizer.convert_tokens_to_ids(token) in ids, token
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    # Like Qwen3: <think> and </think> survive skip_special_tokens (vLLM's default), the chat markers do not.
+    ids = tokenizer.encode("<|im_start|>x<think>r</think>a<|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "x<think>r</think>a"
+    # Byte-level BPE: text the corpus never saw still round-trips.
+    text = "naïve café — 東京 🙂 x²\ttab"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_chat_template_renders_the_thinking_prompt(tiny_model_dir, tokenizer):
+    shipped = (Path(__file__).resolve().parents[1] / "job" / "data" / "chat_template.jinja").read_text()
+    assert tokenizer.chat_template == shipped
+    assert (Path(tiny_model_dir) / "chat_template.jinja").read_text() == shipped
+
+    def render(messages, **kwargs):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    user = [{"role": "user", "content": "Hi"}]
+    assert render(user) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert render(user, enable_thinking=True) == render(user)
+    assert render(user, enable_thinking=False) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]) == render(user)
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "some reasoning\n</think>\n\nA1"},  # history keeps the answer only
+        {"role": "user", "content": "Q2"},
+        {"role": "tool", "content": "42"},
+    ]
+    assert render(history) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
+        "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    assert tokenizer.apply_chat_template(user, tokenize=False) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_loads_in_transformers(tiny_model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    input_ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model(input_ids=input_ids, output_hidden_states=True)
+    assert out.logits.shape == (1, input_ids.shape[1], model.config.vocab_size)
+    assert torch.isfinite(out.logits).all()
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    # Trained, not random: after the thinking prompt the likeliest next tokens are words, not markers.
+    top = tokenizer.convert_ids_to_tokens(out.logits[0, -1].topk(5).indices.tolist())
+    assert not set(top) & set(SPECIAL_TOKENS), top
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM (CPU build)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_samples(tiny_model_dir):
+    """NUM_SAMPLES chats sampled by a real vLLM engine with the model's own defaults (generation_config.json)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; must be set before the engine starts
+    from vllm import LLM
+
+    from job.demo import demo_questions
+
+    llm = LLM(model=tiny_model_dir, max_model_len=1024, enforce_eager=True)
+    params = llm.get_default_sampling_params()  # no per-request seed: it kills the CPU engine
+    params.max_tokens = 768
+    questions = demo_questions()
+    chats = [[{"role": "user", "content": questions[i * 7 % len(questions)]}] for i in range(NUM_SAMPLES)]
+    outputs = llm.chat(chats, params, use_tqdm=False)
+    yield params, outputs
+    del llm
+
+
+def test_vllm_uses_the_generation_config(vllm_samples, tokenizer):
+    params, outputs = vllm_samples
+    assert (params.temperature, params.top_k, params.top_p) == (1.0, 20, 0.95)
+    assert set(params.stop_token_ids or []) | {tokenizer.eos_token_id} >= {
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    }
+    for output in outputs:
+        # vLLM renders the same prompt, to the token, as transformers.
+        assert output.prompt.endswith("<|im_start|>assistant\n<think>\n")
+        assert output.prompt_token_ids == tokenizer.encode(output.prompt, add_special_tokens=False)
+
+
+def test_vllm_outputs_follow_the_thinking_format(vllm_samples, tokenizer):
+    """Most samples are `reasoning\\n</think>\\n\\nanswer<|im_end|>`, and output lengths have a long tail.
+    Measured on the default model: ~90% of samples well-formed (threshold 60%), median ~110 tokens, longest
+    several hundred."""
+    _, outputs = vllm_samples
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    well_formed, lengths = 0, []
+    for output in outputs:
+        completion = output.outputs[0]
+        lengths.append(len(completion.token_ids))
+        reasoning, closed, answer = completion.text.partition("</think>")
+        if closed and answer.strip() and reasoning.strip() and completion.finish_reason == "stop":
+            assert think_end in completion.token_ids  # one token, also in the ids
+            well_formed += 1
+    assert well_formed >= 0.6 * NUM_SAMPLES, f"only {well_formed}/{NUM_SAMPLES} well-formed"
+    assert max(lengths) >= 200 and max(lengths) >= 2 * statistics.median(lengths), lengths
