@@ -1,11 +1,12 @@
 """The stage-1 engine actor: one vLLM engine (one GPU or one TP group), kept full.
 
 Ray Data calls `CompletionGenerator.__call__` with one work unit (a row range of one input file). Each call
-reads its rows, renders and tokenizes them with the model's own tokenizer, submits every row to the engine
-at once, and writes the unit's shard when its last row is done. The actor runs several calls at once
-(`units_in_flight_per_engine`), so while one unit waits for its slowest row the others keep the engine's
-batch full: no batch ever waits for its slowest row, and there is no separate tokenize/detokenize actor pool
-(ray.data.llm's extra pools cost ~2× wall time on a 2-core machine, see docs/BENCHMARKS.md).
+reads its rows, renders and tokenizes them with the model's own tokenizer, submits its rows to the engine
+through an admission gate, and writes the unit's shard when its last row is done. The actor holds many units
+at once (`units_in_flight_per_engine`); the gate keeps `max_rows_in_flight` requests in the engine (a full batch
+plus a full queue), admitting rows in arrival order. So the engine stays full while units wait for their
+slowest rows, rows stream out as they finish, and there is no separate tokenize/detokenize actor pool
+(ray.data.llm's extra pools cost 1.5× plain vLLM's wall time on this 2-core machine, docs/BENCHMARKS.md).
 
 Failure handling (the actor is replaced by Ray and its in-flight units retried; each unit's shard name is
 deterministic, so a retried unit overwrites nothing that another unit wrote):
@@ -71,6 +72,9 @@ class CompletionGenerator:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.config.model, **self.config.engine_kwargs))
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
         self.max_model_len = self.engine.model_config.max_model_len
+        max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
+        self.max_rows_in_flight = gen.max_rows_in_flight or 2 * max_num_seqs
+        self.gate: asyncio.Semaphore | None = None  # created in the event loop that runs the calls
 
         sampling = resolved_sampling(self.config.model, gen.sampling)
         # We split and decode the output ourselves once at the end; vLLM's incremental detokenizer would decode
@@ -98,6 +102,7 @@ class CompletionGenerator:
     async def __call__(self, batch: dict[str, Any]):
         if self.watchdog is None:
             self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+            self.gate = asyncio.Semaphore(self.max_rows_in_flight)
         for i in range(len(batch["file_uri"])):
             unit = inputs.WorkUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
                                    int(batch["start"][i]), int(batch["stop"][i]))
@@ -123,9 +128,6 @@ class CompletionGenerator:
         }
 
     async def _run_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         gen = self.config.generate
         row_id = str(row[schema.ID])
         result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
@@ -147,6 +149,15 @@ class CompletionGenerator:
 
         seed = prompts.row_seed(gen.seed, row_id)
         params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))
+        async with self.gate:
+            return await self._generate(result, prompt_ids, params, seed)
+
+    async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int) -> dict[str, Any]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        gen = self.config.generate
+        row_id = result[schema.ID]
         if self.num_in_flight == 0:  # the watchdog measures from the moment work arrives, not from idle time
             self.last_progress = time.monotonic()
         self.num_in_flight += 1
