@@ -162,7 +162,10 @@ def test_features_equal_transformers_output_hidden_states_for_every_layer(float3
         assert rec["hidden_states"].dtype == torch.float32 and rec["hidden_states"].shape == (len(ids), 3, 256)
         hidden = reference(ids)
         for j, k in enumerate(rec["layer_ids"]):
-            torch.testing.assert_close(rec["hidden_states"][:, j], hidden[k + 1][0], rtol=1e-4, atol=1e-5,
+            # float32 on CPU: a padded batch and a lone forward use different GEMM blockings, so sums differ in
+            # the last bits (seen: 1e-4 absolute on values ~1). 1e-3 is still 10× tighter than bf16 and 100×
+            # below what a neighbouring layer differs by (27–391%).
+            torch.testing.assert_close(rec["hidden_states"][:, j], hidden[k + 1][0], rtol=1e-3, atol=1e-3,
                                        msg=lambda m: f"layer {k} of {rec['id']}: {m}")
     assert sum(r["clipped"] for r in records) == 3
     assert summary["num_samples"] == len(want) and summary["num_errors"] == 4
@@ -235,7 +238,7 @@ def test_packed_and_padded_batches_both_equal_transformers(model_dir, vocab_size
                 pos += s.num_tokens * 3 * 256
                 hidden = reference(s.input_ids)
                 for j, k in enumerate(extractor.layer_ids):
-                    torch.testing.assert_close(got[:, j], hidden[k + 1][0], rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(got[:, j], hidden[k + 1][0], rtol=1e-3, atol=1e-3)
         extractor.close()
         assert (extractor.stats.num_padded_tokens == extractor.stats.num_tokens) == (attention == "packed")
 
@@ -277,7 +280,7 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(model_dir, vocab_size
     after = storage.read_shard(victim)
     assert after.drop_columns([schema.HIDDEN_STATES]).equals(before.drop_columns([schema.HIDDEN_STATES]))
     for a, b in zip(iter_records(after), iter_records(before)):
-        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-3, atol=1e-3)
     assert all(os.path.getmtime(os.path.join(hs_dir, n)) == t for n, t in mtimes.items() if n not in victim)
     ids = [r["id"] for r in load(run)]
     assert sorted(ids) == sorted(kept(rows))
