@@ -122,6 +122,7 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
     with runs.WriterLock(config, "generate", force=force):
         # 2. What is left: the output listing minus the wanted row ranges.
         completions = storage.join(config.output, schema.COMPLETIONS_DIR)
+        storage.remove_temp_files(completions)  # what a killed writer left; we hold the lock, nobody writes now
         done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)]
         done_rows = inputs.count_done_rows(files, done, config.limit)
         canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))

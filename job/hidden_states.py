@@ -418,6 +418,7 @@ def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
         runs.check_drift(previous[STAGE].get("identity", {}), ident, force)
 
     with runs.WriterLock(config, STAGE, force=force):
+        storage.remove_temp_files(storage.join(config.output, schema.HIDDEN_STATES_DIR))  # killed writers' leftovers
         pending = [u for u in units if u.marker_name not in u.existing]
         estimate = estimate_storage(config, units)
         print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
@@ -505,7 +506,7 @@ def _list_sizes(uri: str, config: RunConfig) -> dict[str, int]:
     infos = storage.with_retries(fs.get_file_info, pafs.FileSelector(path, recursive=True, allow_not_found=True),
                                  what=f"list {uri}", storage=config.storage)
     return {storage.join(uri, i.path[len(path):].lstrip("/")): int(i.size) for i in infos
-            if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and ".tmp-" not in i.base_name}
+            if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and not i.base_name.startswith(".")}
 
 
 def dataset(config: RunConfig):

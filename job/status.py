@@ -65,7 +65,7 @@ def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[st
     infos = storage.with_retries(fs.get_file_info, selector, what=f"list {directory}", storage=storage_config)
     out = []
     for i in infos:
-        if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and ".tmp-" not in i.base_name:
+        if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and not i.base_name.startswith("."):
             mtime = i.mtime.timestamp() if i.mtime is not None else 0.0
             out.append((i.path[len(path):].lstrip("/"), mtime, int(i.size or 0)))
     return sorted(out)

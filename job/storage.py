@@ -5,7 +5,9 @@ S3-compatible endpoints come from `StorageConfig.endpoint_url` or the standard A
 pyarrow reads them from the environment / instance profile itself.
 
 Shard writes are atomic: a reader sees either no shard or the whole shard.
-- local: write `<name>.tmp-<pid>-<rand>` next to the target, then rename (atomic on POSIX);
+- local: write `.<name>.tmp-<pid>-<rand>` next to the target, then rename (atomic on POSIX). The leading dot
+  matters: pyarrow.dataset (and Ray Data) skip dot-files, so a temp file left by a killed writer is never read
+  as a shard; a rerun deletes such leftovers (`remove_temp_files`);
 - S3: a PUT (or a completed multipart upload) makes the object visible in one step, so writing the final key
   directly is already atomic; nothing half-written is ever listed.
 """
@@ -113,11 +115,24 @@ def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> l
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
     infos = with_retries(fs.get_file_info, selector, what=f"list {uri}", storage=storage)
     rel = sorted(i.path[len(path):].lstrip("/") for i in infos
-                 if i.type == pafs.FileType.File and i.path.endswith(suffix) and ".tmp-" not in i.base_name)
+                 if i.type == pafs.FileType.File and i.path.endswith(suffix) and not i.base_name.startswith("."))
     return [join(uri, r) for r in rel]
 
 
 _TEST_WRITE_DELAY_S = float(os.environ.get("DATAGEN_TEST_WRITE_DELAY_S", "0"))
+
+
+def remove_temp_files(uri: str) -> int:
+    """Delete temp files that killed writers left in a local directory (S3 writes leave none). Returns the count."""
+    if is_s3(uri) or not os.path.isdir(uri):
+        return 0
+    stale = [n for n in os.listdir(uri) if n.startswith(".") and ".tmp-" in n]
+    for name in stale:
+        try:
+            os.remove(os.path.join(uri, name))
+        except FileNotFoundError:  # another process cleaned it up first
+            pass
+    return len(stale)
 
 
 def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
@@ -126,7 +141,8 @@ def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = No
     def _write():
         if isinstance(fs, pafs.LocalFileSystem):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            head, tail = os.path.split(path)
+            tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()

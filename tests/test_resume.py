@@ -89,7 +89,7 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
         if moment == "engine_start":
             wait_for(lambda: processes("EngineCore", proc.pid), 120, "the engine to start")
         else:
-            wait_for(lambda: shards(run) and list((run / "completions").glob("*.tmp-*")), 240,
+            wait_for(lambda: shards(run) and list((run / "completions").glob(".*.tmp-*")), 240,
                      "a shard write in progress")
     finally:
         tree = psutil.Process(proc.pid).children(recursive=True)
@@ -107,12 +107,18 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
         assert storage.read_shard(str(p)).num_rows > 0
     if moment == "during_write":
         assert done_before, "the kill landed after the first shard"
+        leftovers = list((run / "completions").glob(".*.tmp-*"))
+        assert leftovers, "the kill landed inside a write"
+        # A reader never sees the half-committed shard: dataset discovery skips the dot-file.
+        assert sorted(read_run(str(run)).column("id").to_pylist()) == sorted(
+            i for n in done_before for i in storage.read_shard(str(run / "completions" / n)).column("id").to_pylist())
 
     config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run))
     summary = run_generate(config)
     assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows for n in done_before)
     assert summary.num_rows == len(rows) - summary.num_rows_done_before, "done work is not redone"
     assert_exactly_once(str(run), rows)
+    assert not list((run / "completions").glob(".*.tmp-*")), "the rerun removed the killed writer's temp file"
     for name, mtime in done_before.items():
         assert (run / "completions" / name).stat().st_mtime_ns == mtime, "a committed shard was rewritten"
 
