@@ -107,9 +107,14 @@ def print_summary(config, summary) -> None:
     if summary.already_complete:
         print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
         return
-    report = build_report(config.output, config.storage)
-    print()
-    print(format_report(report))
+    try:
+        report = build_report(config.output, config.storage)
+    except storage.StorageError as e:
+        print(f"\n(report unavailable right now: {e})")
+        report = None
+    if report:
+        print()
+        print(format_report(report))
     print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
           f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
     print(f"shards:  {storage.join(config.output, schema.COMPLETIONS_DIR)}/*.arrow  (report: "

@@ -2,15 +2,20 @@
 
 The fault is the stand-in here, never S3 itself: every request that is not faulted reaches the real moto server
 unchanged. Modes:
-- `fail_every`: every Nth matching request gets `503 SlowDown` (transient throttling, as S3 does under load);
+- `fail_every`: on average one matching request in N gets `503 SlowDown` (transient throttling, as S3 does under
+  load);
 - `fail_always`: every matching request gets `503 SlowDown` (a persistent outage);
-- `reset_every`: every Nth matching request has its connection closed without an answer (connection reset).
+- `reset_every`: on average one matching request in N has its connection closed without an answer.
+Transient faults are drawn from a seeded RNG, not every Nth request: a strict period can line up with the
+fixed number of requests one read makes, so the same request of every retry fails and a transient fault
+becomes a permanent one (seen with a ranged read: 3 requests per attempt, a 503 on every 3rd).
 `match` restricts faults to requests whose method+path contains a substring (e.g. "PUT /bucket/run/completions").
 """
 
 from __future__ import annotations
 
 import http.client
+import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,6 +32,7 @@ class FaultyProxy:
         self.fail_always = fail_always
         self.reset_every = reset_every
         self.lock = threading.Lock()
+        self.rng = random.Random(0)
         self.num_matching = 0
         self.num_faults = 0
         self.num_forwarded = 0
@@ -104,9 +110,10 @@ class FaultyProxy:
             self.num_matching += 1
             n = self.num_matching
             fault = None
-            if self.fail_always or (self.fail_every and n % self.fail_every == 0):
+            draw = self.rng.random()
+            if self.fail_always or (self.fail_every and draw < 1 / self.fail_every):
                 fault = "503"
-            elif self.reset_every and n % self.reset_every == 0:
+            elif self.reset_every and draw < 1 / self.fail_every + 1 / self.reset_every:
                 fault = "reset"
             if fault:
                 self.num_faults += 1
