@@ -163,6 +163,7 @@ def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
 
 def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
     def kill_actor():
+        wait_for(lambda: processes("ray::MapWorker"), 60, "the engine actor")
         victims = processes("ray::MapWorker")
         assert victims, "no engine actor process found"
         for p in victims:
@@ -174,6 +175,7 @@ def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
 def test_engine_death_replaces_the_actor(tmp_path, tiny_model_dir):
     """SIGKILL of vLLM's EngineCore: the actor sees EngineDeadError and must die, not retry on a dead engine."""
     def kill_engine():
+        wait_for(lambda: processes("EngineCore"), 60, "the engine process")
         victims = processes("EngineCore")
         assert victims, "no EngineCore process found"
         for p in victims:
@@ -186,6 +188,7 @@ def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
     stopped: list[psutil.Process] = []
 
     def stall_engine():  # a real stall: the engine process stops running, its requests never finish
+        wait_for(lambda: processes("EngineCore"), 60, "the engine process")
         victims = processes("EngineCore")
         assert victims, "no EngineCore process found"
         for p in victims:
