@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("hidden-states", help="stage 2: completions → hidden-state shards")
     _common(h)
+    h.add_argument("--check", action="store_true",
+                   help="check a finished run's shards against a plain transformers forward instead of extracting")
+    h.add_argument("--check-samples", type=int, default=8, help="samples --check compares (default %(default)s)")
 
     r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
     r.add_argument("run", help="run directory (local or s3://)")
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["plan"], ["status"]):  # these two own their argument parsing (job/plan.py, job/status.py)
         return importlib.import_module(f"job.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
+    from job.engine import EngineStartError
     from job.generate import CanaryFailed
     from job.hidden_states import HiddenStateCheckError
     from job.inputs import InputError
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CanaryFailed, HiddenStateCheckError) as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)
         return 3
-    except (ConfigError, InputError, RunError, StorageError) as e:
+    except (ConfigError, InputError, RunError, StorageError, EngineStartError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -102,6 +106,14 @@ def _dispatch(args) -> int:
         from job.hidden_states import run_hidden_states
 
         config = _config(args)
+        if args.check:
+            from job.hidden_states import check_run
+
+            result = check_run(config, args.check_samples)
+            print(f"exactness check passed: {result['num_samples']} stored samples differ from a plain transformers "
+                  f"forward by at most {result['max_difference']:.2e} (tolerance {result['tolerance']:.0e}); "
+                  "by layer: " + ", ".join(f"{k}: {v:.1e}" for k, v in result["max_difference_by_layer"].items()))
+            return 0
         run_hidden_states(config, force=args.force)
         return 0
     if args.command == "report":

@@ -89,6 +89,18 @@ class HiddenStatesConfig:
     """Keep rows with quality flags (error rows are always skipped)."""
     batch_tokens: int = 16384
     """Padded tokens per forward batch (rows are length-sorted, so padding stays small). At least max_length."""
+    attention: str = "auto"
+    """How the transformers backend batches sequences: 'padded' (right-padded rows and a mask), 'packed' (rows
+    concatenated without padding: varlen attention; Gated DeltaNet layers run once per sequence so their conv and
+    recurrent state never cross a boundary) or 'auto' (packed on a CUDA GPU when every sequence mixer of the model
+    can be kept exact that way, else padded). Both are exact; a model packing cannot keep exact is refused."""
+    check_samples: int = 4
+    """Exactness self-check: before writing anything, each worker runs this many of the run's own samples through
+    its batched path together and through a plain transformers forward one by one; beyond `check_tolerance` the
+    job stops and names the layer and sample. 0 turns it off."""
+    check_tolerance: float | None = None
+    """Largest relative L2 difference per (sample, layer) the self-check accepts, over the sample and over its first
+    16 tokens. None: 1e-3 for float32, 0.02 for bfloat16/float16 (job/exactness.py says why)."""
     rows_per_shard: int = 32
     """Rows per hidden-state shard. Features are big (5 layers x 5120 x 2 B = 51 KB per token): 32 rows of
     ~2.5K tokens is ~4 GB per shard for Qwen3.6-27B, all of which an extractor holds in memory while writing."""
@@ -116,6 +128,10 @@ class HiddenStatesConfig:
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "
                               f"max_length ({self.max_length}): one full-length sequence must fit in a batch")
+        if self.attention not in ("auto", "packed", "padded"):
+            raise ConfigError(f"config: hidden_states.attention must be auto, packed or padded, got {self.attention!r}")
+        if self.check_samples < 0 or (self.check_tolerance is not None and self.check_tolerance <= 0):
+            raise ConfigError("config: hidden_states.check_samples must be >= 0 and check_tolerance > 0")
         if not 0 <= self.min_rms < self.max_rms:
             raise ConfigError("config: hidden_states.min_rms must be >= 0 and below max_rms")
 

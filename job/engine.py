@@ -31,6 +31,66 @@ from job.config import RunConfig, from_dict
 log = logging.getLogger("job.engine")
 
 
+class EngineStartError(RuntimeError):
+    """vLLM cannot start an engine for this model with these settings. The run stops once with this message: a
+    model that cannot load never loads on a retry."""
+
+
+def model_config_json(model_path: str) -> dict:
+    import json
+
+    path = os.path.join(model_path, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def is_hybrid(model_config: dict) -> bool:
+    """Gated DeltaNet (or other linear-attention) layers beside attention: Qwen3.5/3.6, Qwen3-Next."""
+    text = model_config.get("text_config", model_config)
+    return "linear_attention" in (text.get("layer_types") or [])
+
+
+def known_engine_problem(model_path: str, engine_kwargs: dict, *, on_gpu: bool) -> str | None:
+    """A combination vLLM accepts at start-up and then dies on at the first step, every time (an engine death is
+    retried: it would loop). Checked in the actor, where the platform is known."""
+    spec = engine_kwargs.get("speculative_config") or {}
+    if (not on_gpu and is_hybrid(model_config_json(model_path)) and spec.get("method") == "mtp"
+            and engine_kwargs.get("enable_prefix_caching", True)):
+        return ("vLLM's CPU build cannot run MTP with prefix caching on a hybrid model (the state copy of its "
+                "'align' cache mode is a Triton kernel, which the CPU build lacks; the engine dies at the first "
+                "step). Set engine_kwargs.enable_prefix_caching: false, or drop speculative_config, on CPU.")
+    return None
+
+
+def _why_engine_failed(model_path: str, error: BaseException) -> str:
+    """The most useful line about a failed engine start. vLLM reports a model class it cannot import only as
+    "architectures ... failed to be inspected" (the import error goes to the log): import it again to say why."""
+    architectures = model_config_json(model_path).get("architectures") or []
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        for arch in architectures:
+            lazy = ModelRegistry.models.get(arch)
+            if lazy is None:
+                return (f"vLLM has no model class for architecture {arch!r} (config.json `architectures`); "
+                        "the Qwen3.5/3.6 family is `Qwen3_5ForConditionalGeneration`")
+            try:
+                lazy.load_model_cls()
+            except Exception as e:
+                return (f"vLLM's {arch} implementation cannot be imported: {type(e).__name__}: {e}. "
+                        "`make install` brings the packages vLLM's CPU build needs (torchvision for Qwen3.5)")
+    except ImportError:
+        pass
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {text[0] if text else ''}" + (" (see the actor's log above)" if len(text) > 1
+                                                                   else "")
+
+
 def resolved_sampling(model_path: str, sampling: dict[str, Any]) -> dict[str, Any]:
     """Sampling parameters: the model's generation_config.json defaults, then the config's keys on top."""
     defaults: dict[str, Any] = {}
@@ -68,8 +128,16 @@ class CompletionGenerator:
         self.chat_template = chat_template
         gen = self.config.generate
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        problem = known_engine_problem(self.config.model, self.config.engine_kwargs, on_gpu=is_gpu_platform())
+        if problem:
+            raise EngineStartError(problem)
         started = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.config.model, **self.config.engine_kwargs))
+        try:
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.config.model,
+                                                                    **self.config.engine_kwargs))
+        except Exception as e:  # the config, the model files or the install: the same on every retry
+            raise EngineStartError(f"vLLM could not start an engine for model {self.config.model}: "
+                                   f"{_why_engine_failed(self.config.model, e)}") from None
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
         self.max_model_len = self.engine.model_config.max_model_len
         max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs

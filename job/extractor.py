@@ -437,6 +437,41 @@ def decoder_stack(model):
                      "the transformers backend supports Llama/Qwen-style decoder models")
 
 
+# Sequence mixers a packed batch keeps apart, by the model config's `layer_types` (Qwen3, Llama: every layer
+# "full_attention"). Full attention runs through `_packed_attention` (causal within each sequence). A Gated DeltaNet
+# layer (Qwen3.5/3.6 "linear_attention") carries a causal conv1d and a recurrent state along the sequence, and
+# transformers passes it no sequence boundaries that both honour (its torch chunk rule drops `cu_seqlens`, its conv
+# never gets them: measured 39-69 % error on the first tokens of every sequence but the first of a pack, H200, bf16),
+# so a packed batch runs each such layer once per sequence (`_per_sequence`). Any other mixer (sliding windows,
+# Mamba, ...) has no boundary-safe packed path here: such a model is never packed.
+PACKABLE_LAYERS = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
+
+
+def packing_problem(stack) -> str | None:
+    """None when packed batches keep every sequence of this decoder stack apart; else what stands in the way."""
+    types = getattr(stack.config, "layer_types", None) or ["full_attention"] * len(stack.layers)
+    for i, (kind, layer) in enumerate(zip(types, stack.layers)):
+        if kind not in PACKABLE_LAYERS:
+            return f"decoder layer {i} is {kind!r}, a sequence mixer packed batches cannot keep apart"
+        if not hasattr(layer, PACKABLE_LAYERS[kind]):
+            return f"decoder layer {i} ({kind}) has no `{PACKABLE_LAYERS[kind]}` module, so it cannot be packed safely"
+    return None
+
+
+def slow_path_warnings(stack) -> list[str]:
+    """The fast kernels a model with Gated DeltaNet layers lacks on a GPU. Without flash-linear-attention,
+    transformers runs its torch reference of the chunked gated delta rule, over 10x slower on an H100 (transformers'
+    own warning, which one line among a worker's start-up logs hides)."""
+    import importlib.util
+
+    if "linear_attention" not in (getattr(stack.config, "layer_types", None) or []):
+        return []
+    if importlib.util.find_spec("fla") is None:
+        return ["stage 2 runs the Gated DeltaNet layers on transformers' torch reference path (>10x slower): "
+                "flash-linear-attention is not installed on this worker (`pip install -e '.[gpu]'` brings it)"]
+    return []
+
+
 @dataclass
 class PartFeatures:
     """One finished part: its samples (part order) and their features back to back, uint8 [total × width]."""
@@ -498,8 +533,9 @@ class TransformersExtractor:
     def __init__(self, model, *, layer_ids: list[int], batch_tokens: int = 16384, min_rms: float = 1e-5,
                  max_rms: float = 1e4, check: bool = True, attention: str = "auto"):
         """`attention`: 'padded' (transformers' SDPA over right-padded rows with a mask), 'packed' (rows
-        concatenated with no padding, varlen flash attention; see _packed_attention) or 'auto' (packed where
-        torch has varlen attention and a GPU, else padded)."""
+        concatenated with no padding: varlen flash attention, see _packed_attention; recurrent layers once per
+        sequence, see PACKABLE_LAYERS) or 'auto' (packed where torch has varlen attention, a GPU, and every
+        sequence mixer of the model can be kept exact; else padded)."""
         import torch
 
         self.torch = torch
@@ -513,16 +549,32 @@ class TransformersExtractor:
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
         self.device = self.stack.embed_tokens.weight.device
         self.cuda = self.device.type == "cuda"
-        if attention == "auto":
-            attention = "packed" if self.cuda and packed_attention_available() else "padded"
-        assert attention in ("padded", "packed"), attention
+        problem = packing_problem(self.stack)
+        if attention == "auto":  # packing saves padding and takes the varlen flash kernel; only where it is exact
+            attention = "packed" if self.cuda and packed_attention_available() and problem is None else "padded"
+        if attention not in ("padded", "packed"):
+            raise ValueError(f"hidden_states.attention must be auto, packed or padded, got {attention!r}")
+        if attention == "packed" and problem:
+            raise ValueError(f"hidden_states.attention 'packed' is not exact for this model: {problem}. Use "
+                             "'padded' (or 'auto', which packs only models it can keep exact).")
+        self.attention = attention
         self.packed = attention == "packed"
+        self._segments: list[tuple[int, int]] | None = None  # host [start, stop) of each sequence of a packed batch
+        self._wrapped = []
         if self.packed:
             _register_packed_attention()
+            for layer in self.stack.layers:
+                mixer = getattr(layer, PACKABLE_LAYERS["linear_attention"], None)
+                if mixer is not None:
+                    mixer.forward = self._per_sequence(mixer.forward)
+                    self._wrapped.append(mixer)
         self.width = len(self.layer_ids) * self.hidden_size * ITEMSIZE[dtype]
         self.stats = RunStats()
         self.feature_stats = FeatureStats(self.layer_ids, self.hidden_size)
         self.pool = _BufferPool()
+        self.warnings = slow_path_warnings(self.stack) if self.cuda else []
+        for warning in self.warnings:
+            warnings.warn(warning, stacklevel=2)
 
         # Hooks: layer k < N-1 → output of decoder layer k; k = N-1 → output of the final norm (transformers'
         # hidden_states[N]). The hook of the deepest captured layer stops the forward.
@@ -548,9 +600,26 @@ class TransformersExtractor:
                 raise _StopForward
         return hook
 
+    def _per_sequence(self, forward):
+        """A packed batch's recurrent mixer runs once per sequence, each alone as in an unbatched forward (no cache,
+        no mask, no packing arguments), so its conv and recurrent state start from zero at every sequence. The
+        boundaries come from the host (`_segments`): reading them off a device tensor would stall the GPU at
+        every such layer. Token-wise work around it (projections, MLPs, norms) stays packed."""
+        torch = self.torch
+
+        def per_sequence(hidden_states, *args, **kwargs):
+            if self._segments is None:  # a forward this extractor did not start (e.g. a reference forward)
+                return forward(hidden_states, *args, **kwargs)
+            return torch.cat([forward(hidden_states[:, a:b]) for a, b in self._segments], dim=1)
+
+        return per_sequence
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        for mixer in self._wrapped:
+            del mixer.forward  # the class's forward again
+        self._wrapped = []
 
     # -- one batch ------------------------------------------------------------------------------------------------
 
@@ -572,6 +641,8 @@ class TransformersExtractor:
                           position_ids=dev(np.concatenate([np.arange(n) for n in counts])[None]),
                           cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
             gather, padded_tokens = None, total
+            bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            self._segments = list(zip(bounds[:-1], bounds[1:]))
         else:
             ids = np.zeros((rows, longest), dtype=np.int64)
             mask = np.zeros((rows, longest), dtype=np.int64)
@@ -604,7 +675,7 @@ class TransformersExtractor:
                 reduced[0].index_add_(0, tr, norms.square())
                 reduced[1].index_add_(0, tr, (~torch.isfinite(norms)).float())
         finally:
-            self._out = self._gather = None
+            self._out = self._gather = self._segments = None
 
         self.stats.num_tokens += total
         self.stats.num_padded_tokens += padded_tokens

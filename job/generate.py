@@ -169,14 +169,17 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
 
 
 def _user_error_inside(e: BaseException) -> BaseException | None:
-    """The StorageError / InputError that a Ray task failure wraps, if any."""
+    """The StorageError / InputError / EngineStartError that a Ray task failure wraps, if any."""
+    from job.engine import EngineStartError
+
+    user_errors = (storage.StorageError, inputs.InputError, EngineStartError)
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (storage.StorageError, inputs.InputError)):
+        if isinstance(e, user_errors):
             return e
         # Ray Data re-raises UDF errors with the remote traceback as text: recover the message from it.
-        for cls in (storage.StorageError, inputs.InputError):
+        for cls in user_errors:
             m = re.search(rf"{cls.__module__}\.{cls.__name__}: (.+)", str(e))
             if m:
                 return cls(m.group(1).strip())

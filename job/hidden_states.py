@@ -34,6 +34,7 @@ import pyarrow.ipc as ipc
 
 from job import runs, schema, storage
 from job.config import ConfigError, RunConfig
+from job.exactness import compare, pick_samples, reference_features, split_features, tolerance_for, verdict
 from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenStateCheckError, hidden_states_schema,
                            iter_records, part_table, plan_parts, resolve_layer_ids, samples_from_completions,
                            table_to_ipc)
@@ -198,7 +199,9 @@ class HiddenStateExtractor:
     """`map_batches` callable. mode='write': writes the unit's missing parts and its marker, yields one summary
     row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
 
-    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write"):
+    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None):
+        """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
+        None skips the check."""
         import torch
 
         from job.config import from_dict
@@ -207,23 +210,59 @@ class HiddenStateExtractor:
         self.config = from_dict(config)
         self.mode = mode
         hs = self.config.hidden_states
+        check = self._check_samples(check_source) if check_source and hs.check_samples else []
+        reference = None
         if hs.backend == "vllm":
             reason = vllm_unavailable_reason()
             if reason:
                 raise ConfigError(reason)
             from job.extractor import VllmExtractor
 
+            if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
+                model = load_model(self.config.model, dtype=hs.dtype)
+                reference = reference_features(model, check, layer_ids)
+                del model
+                torch.cuda.empty_cache()
             self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
                                            max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
                                            min_rms=hs.min_rms, max_rms=hs.max_rms)
         else:
             if not torch.cuda.is_available():
                 torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
-            self.extractor = TransformersExtractor(load_model(self.config.model, dtype=hs.dtype),
-                                                   layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
-                                                   min_rms=hs.min_rms, max_rms=hs.max_rms)
+            model = load_model(self.config.model, dtype=hs.dtype)
+            try:
+                self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
+                                                       min_rms=hs.min_rms, max_rms=hs.max_rms,
+                                                       attention=hs.attention)
+            except ValueError as e:  # attention: packed on a model packing cannot keep exact
+                raise ConfigError(f"config: {e}") from None
+            if check:
+                reference = reference_features(model, check, self.extractor.layer_ids)
         self.schema = hidden_states_schema(model=self.config.model, layer_ids=self.extractor.layer_ids,
                                            hidden_size=self.extractor.hidden_size, dtype=hs.dtype)
+        self.self_check = self._self_check(check, reference) if check else {}
+        self.warnings = list(getattr(self.extractor, "warnings", []))
+
+    def _check_samples(self, source: dict) -> list:
+        hs = self.config.hidden_states
+        table = storage.read_shard(source["uri"], self.config.storage)
+        samples, _ = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
+                                              row_limit=source.get("row_limit"))
+        return pick_samples(samples, hs.check_samples, hs.batch_tokens)
+
+    def _self_check(self, samples: list, reference: list) -> dict:
+        """The check samples through this worker's batched path together, against `reference` (each alone through
+        a plain transformers forward). Raises HiddenStateCheckError beyond the tolerance; else a summary."""
+        from job.extractor import FeatureStats, RunStats
+
+        ex, hs = self.extractor, self.config.hidden_states
+        (part,) = list(ex.run([(0, samples)], pooled=False))
+        batched = split_features(part.samples, part.features, len(ex.layer_ids), ex.hidden_size, hs.dtype)
+        where = f"{hs.backend} backend" + (f", {ex.attention} batches" if hasattr(ex, "attention") else "")
+        summary = verdict(compare(part.samples, batched, reference, ex.layer_ids),
+                          tolerance_for(hs.dtype, hs.check_tolerance), where)
+        ex.stats, ex.feature_stats = RunStats(), FeatureStats(ex.layer_ids, ex.hidden_size)  # not the run's work
+        return {**summary, "where": where}
 
     def __call__(self, batch: dict):
         for i in range(len(batch["uri"])):
@@ -278,7 +317,11 @@ class HiddenStateExtractor:
             "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
             "seconds": time.monotonic() - started,
             "feature_stats": self.extractor.feature_stats.to_dict(),
+            # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
+            "self_check": self.self_check,
+            "warnings": {"lines": self.warnings},
         }
+        self.self_check, self.warnings = {}, []
         storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
         yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
 
@@ -362,11 +405,14 @@ def _pipeline(config: RunConfig, units: list[Unit], layer_ids: list[int], mode: 
     workers = config.hidden_states.num_workers or max(1, gpus)
     rows = [{"uri": u.uri, "stem": u.stem, "num_rows": u.num_rows, "row_limit": -1 if u.row_limit is None
              else u.row_limit, "existing": json.dumps(u.existing)} for u in units]
+    # The exactness self-check of every worker uses samples of the first unit: the run's own data.
+    check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
     # One block per unit, so each unit is its own task: a replaced actor retries exactly its own units.
     ds = ray.data.from_items(rows, override_num_blocks=len(rows))
     return ds.map_batches(
         HiddenStateExtractor,
-        fn_constructor_kwargs={"config": to_dict(config), "layer_ids": layer_ids, "mode": mode},
+        fn_constructor_kwargs={"config": to_dict(config), "layer_ids": layer_ids, "mode": mode,
+                               "check_source": check_source},
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=1,
@@ -379,12 +425,17 @@ def _pipeline(config: RunConfig, units: list[Unit], layer_ids: list[int], mode: 
 
 
 def _unwrap(e: BaseException) -> BaseException | None:
-    """The HiddenStateCheckError / ConfigError inside a Ray task error chain, if any."""
+    """The HiddenStateCheckError / ConfigError inside a Ray task error chain, if any. An error raised while an actor
+    starts (the self-check, a config the model refuses) reaches the driver only as the text of its traceback."""
     seen = e
     while seen is not None:
         if isinstance(seen, (HiddenStateCheckError, ConfigError)):
             return seen
         seen = seen.__cause__ or getattr(seen, "cause", None)
+    for cls in (HiddenStateCheckError, ConfigError):
+        found = re.search(rf"{cls.__module__}\.{cls.__name__}: (.+)", str(e))
+        if found:
+            return cls(found.group(1).strip())
     return None
 
 
@@ -435,6 +486,14 @@ def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
             try:
                 for s in _pipeline(config, pending, layer_ids, "write").iter_rows():
+                    for line in json.loads(s["warnings"])["lines"]:
+                        print(f"WARNING: {line}", flush=True)
+                    check = json.loads(s["self_check"])
+                    if check:
+                        print(f"exactness self-check passed ({check['where']}): {check['num_samples']} samples of "
+                              f"this run, batched vs each alone in a plain transformers forward, differ by at most "
+                              f"{check['max_difference']:.2e} (tolerance {check['tolerance']:.0e})", flush=True)
+                        this_run.setdefault("self_checks", []).append(check)
                     tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
                                     "num_errors": s["num_errors"]})
                     this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
@@ -492,6 +551,7 @@ def _report(config: RunConfig, units: list[Unit], layer_ids: list[int], hidden: 
         "tokens_per_s": tokens_now / seconds if seconds else 0.0,
         "feature_bytes_per_s": tokens_now * estimate["feature_bytes_per_token"] / seconds if seconds else 0.0,
         "bytes_written": this_run.get("bytes_written", 0),
+        "self_checks": this_run.get("self_checks", []),
         "layers": layers, "estimate": estimate, "shards": sorted(shards), "report": report_uri,
     }
     storage.write_json(report_uri, summary, config.storage)
@@ -517,6 +577,64 @@ def dataset(config: RunConfig):
     num_layers, _ = model_shape(config.model)
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
     return _pipeline(config, plan_units(config), layer_ids, "stream")
+
+
+def check_run(config: RunConfig, num_samples: int = 8) -> dict:
+    """`python -m job hidden-states --check`: the exactness self-check over a finished run's shards. Up to
+    `num_samples` stored samples, one from each of as many shards spread over the run, against a plain transformers
+    forward of each alone. Raises HiddenStateCheckError (naming layer and sample) beyond the tolerance, else returns
+    the summary. Runs on a GPU worker when the cluster has one (the driver of a cluster job usually has none)."""
+    import ray
+
+    from job.config import to_dict
+    from job.generate import ensure_ray
+
+    uris = storage.list_files(_out_dir(config), schema.SHARD_SUFFIX, config.storage)
+    if not uris:
+        raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
+    step = max(1, len(uris) // num_samples)
+    chosen = uris[::step][:num_samples]
+    started_ray = ensure_ray(config)
+    try:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
+        task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
+        task = task.options(runtime_env={"env_vars": dict(config.env_vars)})
+        try:
+            return ray.get(task.remote(to_dict(config), chosen))
+        except Exception as e:
+            cause = _unwrap(e)
+            if cause is not None:
+                raise type(cause)(str(cause)) from None
+            raise
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _check_stored(config_dict: dict, uris: list[str]) -> dict:
+    """The first sample of each shard in `uris`: stored features against a plain forward of the sample alone."""
+    import torch
+
+    from job.config import from_dict
+    from job.extractor import Sample, load_model
+
+    config = from_dict(config_dict)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    samples, stored, layer_ids, dtype = [], [], None, None
+    for uri in uris:
+        table = storage.read_shard(uri, config.storage)
+        meta = table.schema.metadata
+        layer_ids, dtype = json.loads(meta[schema.META_LAYER_IDS]), meta[schema.META_DTYPE].decode()
+        record = next(iter_records(table.slice(0, 1)))
+        samples.append(Sample(id=record[schema.ID], input_ids=record[schema.INPUT_IDS].numpy(), num_prompt_tokens=0,
+                              original_num_tokens=len(record[schema.INPUT_IDS]), row=len(samples)))
+        stored.append(record[schema.HIDDEN_STATES].clone())
+    model = load_model(config.model, dtype=dtype)
+    reference = reference_features(model, samples, layer_ids)
+    summary = verdict(compare(samples, stored, reference, layer_ids), tolerance_for(dtype, config.hidden_states.check_tolerance),
+                      f"stored shards of {config.output}")
+    return {**summary, "shards": uris}
 
 
 def load(run_uri: str, storage_config: storage.StorageConfig | None = None):

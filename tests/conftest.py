@@ -31,6 +31,19 @@ def tiny_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_dir() -> str:
+    """The target's architecture (Qwen3.5/3.6: Gated DeltaNet + gated attention, vision tower, MTP head) at tiny
+    scale, built once per checkout (~2 min on 2 cores)."""
+    from job.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(str(REPO / ".cache" / "tiny-hybrid"), architecture="hybrid")
+
+
+# vLLM arguments the hybrid needs: text prompts only (no vision encoder profiling).
+HYBRID_ENGINE_KWARGS = {"language_model_only": True}
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

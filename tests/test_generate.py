@@ -7,8 +7,11 @@ import time
 from collections import Counter
 
 import pyarrow as pa
-from conftest import read_run, simple_prompts, write_prompts
+import pytest
+from conftest import DEMO_CONFIG, HYBRID_ENGINE_KWARGS, read_run, simple_prompts, write_prompts
 
+from job.config import load_config
+from job.engine import EngineStartError
 from job.generate import run_generate
 from job.prompts import render_prompt_ids
 
@@ -125,3 +128,39 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The target's architecture: the tiny hybrid (Qwen3.5/3.6: Gated DeltaNet + gated attention, MTP head)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", [
+    {"enable_prefix_caching": True},
+    # MTP drafts with the model's own head; the CPU build can run it only without prefix caching (see below).
+    {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+], ids=["prefix-caching", "mtp"])
+def test_hybrid_end_to_end(tmp_path, make_config, tokenizer, tiny_hybrid_dir, engine):
+    rows = mixed_input_rows()
+    inp = write_prompts(tmp_path / "in", rows, num_files=2, schema=INPUT_SCHEMA)
+    config = make_config(model=tiny_hybrid_dir, input=inp, output=str(tmp_path / "run"),
+                         engine_kwargs={**load_config(DEMO_CONFIG).engine_kwargs, **HYBRID_ENGINE_KWARGS, **engine},
+                         **{"generate.rows_per_shard": 16})
+    summary = run_generate(config)
+    assert summary.num_rows == len(rows)
+    table = read_run(config.output)
+    check_completions(table, tokenizer, rows)  # the hybrid shares the tokenizer and template
+    errors = {r["id"] for r in table.to_pylist() if r["error"] is not None}
+    assert errors == {str(i) for i in BAD_ROWS}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["generate"]["canary_passed"] is True, "the trained hybrid answers in the thinking format"
+
+
+def test_hybrid_mtp_with_prefix_caching_on_cpu_is_refused_once(tmp_path, make_config, tiny_hybrid_dir):
+    """vLLM's CPU build accepts this combination and then dies at the first step, every time (its 'align' state copy
+    is a Triton kernel): without a check the engine actor would be replaced forever."""
+    inp = write_prompts(tmp_path / "in", simple_prompts(8))
+    config = make_config(model=tiny_hybrid_dir, input=inp, output=str(tmp_path / "run"), engine_kwargs={
+        **load_config(DEMO_CONFIG).engine_kwargs, **HYBRID_ENGINE_KWARGS,
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
+    with pytest.raises(EngineStartError, match="cannot run MTP with prefix caching.*enable_prefix_caching: false"):
+        run_generate(config)
+    assert not list((tmp_path / "run" / "completions").glob("*.arrow"))

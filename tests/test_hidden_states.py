@@ -34,26 +34,22 @@ MAX_LENGTH = 128
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory) -> str:
-    """The project's tiny model when conftest provides it, else a random Qwen3 of the same shape."""
-    try:
-        return request.getfixturevalue("tiny_model_dir")
-    except pytest.FixtureLookupError:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-        path = str(tmp_path_factory.mktemp("model"))
-        Qwen3ForCausalLM(config).save_pretrained(path)
-        return path
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def model_dir(request) -> str:
+    """Each exactness test runs on both fixtures: dense Qwen3 and the hybrid (Qwen3.5: Gated DeltaNet layers)."""
+    return request.getfixturevalue("tiny_model_dir" if request.param == "dense" else "tiny_hybrid_dir")
 
 
 @pytest.fixture(scope="module")
-def vocab_size(model_dir) -> int:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)["vocab_size"]
+def dense_dir(tiny_model_dir) -> str:
+    """Tests of bookkeeping, checks and errors, which do not depend on the architecture: the dense model only."""
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tiny_model_dir) -> int:
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]  # the hybrid shares the tokenizer and vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +244,11 @@ def test_packed_and_padded_batches_both_equal_transformers(model_dir, vocab_size
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_limit_crash_and_rerun_keep_every_row_exactly_once(model_dir, vocab_size, tmp_path, capsys):
+def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size, tmp_path, capsys):
     run = str(tmp_path)
     rows = completion_rows(vocab_size, seed=2)
     write_completions(run, rows)
-    config = hs_config(model_dir, run)
+    config = hs_config(dense_dir, run)
 
     # --limit 10: shard 1 whole, the first 2 rows of shard 2 (parts named with their limit).
     config.limit = 10
@@ -290,14 +286,14 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(model_dir, vocab_size
     summary = run_hidden_states(config)
     assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
     with pytest.raises(RunError, match="layer_ids"):
-        run_hidden_states(hs_config(model_dir, run, layer_ids=[0, 2]))
+        run_hidden_states(hs_config(dense_dir, run, layer_ids=[0, 2]))
 
 
-def test_s3_output_round_trips(model_dir, vocab_size, s3_bucket):
+def test_s3_output_round_trips(dense_dir, vocab_size, s3_bucket):
     run = f"s3://{s3_bucket}/run"
     rows = completion_rows(vocab_size, seed=3)
     write_completions(run, rows)
-    config = hs_config(model_dir, run, layer_ids=[2])
+    config = hs_config(dense_dir, run, layer_ids=[2])
     # The actors' environment: cluster workers (and a Ray started before the S3 server) lack the driver's.
     config.env_vars = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                   "AWS_REGION")}
@@ -333,9 +329,9 @@ def test_checks_name_layer_and_sample_for_nan_zero_and_implausible_norms():
         check_features(samples, huge, np.zeros((3, 2)), **kwargs)
 
 
-def test_checks_fire_on_features_of_a_broken_model(model_dir, vocab_size, tmp_path):
+def test_checks_fire_on_features_of_a_broken_model(dense_dir, vocab_size, tmp_path):
     # All-zero features: zero embeddings and zero residual writes make every layer output exactly zero.
-    model = load_model(model_dir, dtype="float32", device="cpu")
+    model = load_model(dense_dir, dtype="float32", device="cpu")
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()
         for layer in model.model.layers:
@@ -347,7 +343,7 @@ def test_checks_fire_on_features_of_a_broken_model(model_dir, vocab_size, tmp_pa
 
     # NaN weights in layer 2, through the whole Ray job: the job stops and names the layer and a sample.
     broken = str(tmp_path / "nan-model")
-    model = load_model(model_dir, dtype="float32", device="cpu")
+    model = load_model(dense_dir, dtype="float32", device="cpu")
     with torch.no_grad():
         model.model.layers[2].mlp.down_proj.weight[0, 0] = float("nan")
     model.save_pretrained(broken)
@@ -357,31 +353,31 @@ def test_checks_fire_on_features_of_a_broken_model(model_dir, vocab_size, tmp_pa
         run_hidden_states(hs_config(broken, run, layer_ids=[0, 2]))
 
 
-def test_estimate_counts_bytes_per_token_and_clipped_total(model_dir, vocab_size, tmp_path):
+def test_estimate_counts_bytes_per_token_and_clipped_total(dense_dir, vocab_size, tmp_path):
     rows = completion_rows(vocab_size, seed=4)
     write_completions(str(tmp_path), rows)
-    est = estimate_storage(hs_config(model_dir, str(tmp_path), dtype="bfloat16", layer_ids=[0, -1]))
+    est = estimate_storage(hs_config(dense_dir, str(tmp_path), dtype="bfloat16", layer_ids=[0, -1]))
     assert est["feature_bytes_per_token"] == 2 * 256 * 2 and est["bytes_per_token"] == 2 * 256 * 2 + 5
     tokens = sum(min(len(r["prompt_token_ids"]) + len(r["output_token_ids"]), MAX_LENGTH) for r in kept(rows).values())
     assert est["num_tokens"] == tokens and est["total_bytes"] == tokens * est["bytes_per_token"]
 
 
-def test_vllm_backend_on_cpu_fails_with_a_clear_message(model_dir, vocab_size, tmp_path):
+def test_vllm_backend_on_cpu_fails_with_a_clear_message(dense_dir, vocab_size, tmp_path):
     write_completions(str(tmp_path), completion_rows(vocab_size))
     with pytest.raises(ConfigError, match="needs a CUDA GPU.*pin_memory"):
-        run_hidden_states(hs_config(model_dir, str(tmp_path), backend="vllm", layer_ids=[1]))
+        run_hidden_states(hs_config(dense_dir, str(tmp_path), backend="vllm", layer_ids=[1]))
 
 
-def test_config_errors_are_clear(model_dir, tmp_path):
+def test_config_errors_are_clear(dense_dir, tmp_path):
     with pytest.raises(ConfigError, match="batch_tokens"):
         HiddenStatesConfig(max_length=4096, batch_tokens=1024)
     with pytest.raises(ConfigError, match="out of range"):
-        run_hidden_states(hs_config(model_dir, str(tmp_path), layer_ids=[4]))
+        run_hidden_states(hs_config(dense_dir, str(tmp_path), layer_ids=[4]))
     with pytest.raises(ConfigError, match="no completion shards"):
-        run_hidden_states(hs_config(model_dir, str(tmp_path), layer_ids=[0]))
+        run_hidden_states(hs_config(dense_dir, str(tmp_path), layer_ids=[0]))
 
 
-def test_imports_are_light_and_the_core_runs_without_ray(model_dir):
+def test_imports_are_light_and_the_core_runs_without_ray(dense_dir):
     code = ("import sys, job.hidden_states, job.extractor\n"
             "heavy = [m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
@@ -389,9 +385,87 @@ def test_imports_are_light_and_the_core_runs_without_ray(model_dir):
     code = ("import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None\n"
             "import numpy as np\n"
             "from job.extractor import *\n"
-            f"ex = TransformersExtractor(load_model({model_dir!r}, dtype='float32', device='cpu'), layer_ids=[0])\n"
+            f"ex = TransformersExtractor(load_model({dense_dir!r}, dtype='float32', device='cpu'), layer_ids=[0])\n"
             "s = [Sample(id='a', input_ids=np.arange(9, dtype=np.int32), num_prompt_tokens=4, original_num_tokens=9,"
             " row=0)]\n"
             "(part,) = ex.run([(0, s)])\n"
             "assert part.features.nbytes == 9 * 256 * 4\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exactness on the hybrid: packed batches, the self-check, --check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_self_check_passes_on_every_worker_and_is_reported(float32_run):
+    _, _, summary = float32_run
+    (check,) = summary["self_checks"]  # one worker
+    assert check["num_samples"] == 4 and check["max_difference"] < check["tolerance"] == 1e-3
+    assert set(check["max_difference_by_layer"]) == {"0", "1", "3"}
+
+
+def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hybrid_dir, vocab_size, tmp_path,
+                                                                         monkeypatch):
+    """The bug this project shipped once: a packed batch lets each Gated DeltaNet layer's conv and recurrent state
+    run on from one sequence into the next (measured here: 4-24 % relative error on CPU in float32). With the
+    per-sequence mixers taken away, the worker's self-check must refuse to start and name a layer and a sample."""
+    from job.config import to_dict
+    from job.extractor import TransformersExtractor as Extractor
+    from job.hidden_states import HiddenStateExtractor
+
+    write_completions(str(tmp_path), completion_rows(vocab_size, seed=6))
+    config = hs_config(tiny_hybrid_dir, str(tmp_path), attention="packed")
+    source = {"uri": str(tmp_path / "completions" / "f00000-r0000000008-0000000020.arrow"), "row_limit": None}
+    worker = HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)  # exact: passes
+    assert worker.self_check["where"] == "transformers backend, packed batches"
+    assert worker.self_check["max_difference"] < 1e-3
+    monkeypatch.setattr(Extractor, "_per_sequence", lambda self, forward: forward)
+    with pytest.raises(HiddenStateCheckError, match=r"self-check failed.*layer \d of sample 'row-\d+' differs from "
+                                                    r"a plain transformers forward .* by \d+\.\d+%"):
+        HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)
+
+
+def test_attention_mode_is_chosen_only_where_exact(dense_dir):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with pytest.raises(ConfigError, match="hidden_states.attention must be auto, packed or padded"):
+        HiddenStatesConfig(attention="flash")
+    model = load_model(dense_dir, dtype="float32", device="cpu")
+    assert TransformersExtractor(model, layer_ids=[0]).attention == "padded"  # auto packs on CUDA only
+    assert TransformersExtractor(model, layer_ids=[0], attention="packed").attention == "packed"
+    sliding = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                                           use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert TransformersExtractor(sliding, layer_ids=[0]).attention == "padded"
+    with pytest.raises(ValueError, match="'sliding_attention', a sequence mixer packed batches cannot keep apart"):
+        TransformersExtractor(sliding, layer_ids=[0], attention="packed")
+
+
+def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run, model_dir, tmp_path):
+    import shutil
+
+    from job.extractor import hidden_states_schema, part_table, table_to_ipc
+    from job.hidden_states import check_run
+
+    run, _, _ = float32_run
+    result = check_run(hs_config(model_dir, run), num_samples=3)
+    assert result["num_samples"] == 3 and result["max_difference"] < 1e-3
+
+    altered = str(tmp_path / "altered")
+    shutil.copytree(run, altered)
+    uri = sorted((tmp_path / "altered" / schema.HIDDEN_STATES_DIR).glob("*.arrow"))[0]
+    table = storage.read_shard(str(uri))
+    records = list(iter_records(table))
+    features = torch.cat([r["hidden_states"].reshape(-1) for r in records]).clone()
+    first = records[0]
+    n = first["hidden_states"].numel()
+    features[:n].view(first["hidden_states"].shape)[:, 1] *= 1.01  # layer 1 of the first sample, off by 1 %
+    samples = [Sample(id=r["id"], input_ids=r["input_ids"].numpy(), num_prompt_tokens=int((r["loss_mask"] == 0).sum()),
+                      original_num_tokens=r["original_num_tokens"], row=i) for i, r in enumerate(records)]
+    meta = table.schema.metadata
+    hs_schema = hidden_states_schema(model=meta[schema.META_MODEL].decode(), layer_ids=[0, 1, 3], hidden_size=256,
+                                     dtype="float32")
+    uri.write_bytes(table_to_ipc(part_table(samples, features.view(torch.uint8).numpy(), hs_schema)).to_pybytes())
+    with pytest.raises(HiddenStateCheckError, match=rf"layer 1 of sample {first['id']!r} .* by 1\.\d\d%"):
+        check_run(hs_config(model_dir, altered), num_samples=3)

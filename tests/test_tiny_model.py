@@ -147,6 +147,55 @@ def test_loads_in_transformers(tiny_model_dir, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The hybrid (the target's architecture)
+# ---------------------------------------------------------------------------------------------------------------
+def test_hybrid_has_the_targets_layout(tiny_hybrid_dir, tokenizer):
+    from safetensors import safe_open
+
+    config = json.loads((Path(tiny_hybrid_dir) / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["model_type"] == "qwen3_5"
+    text = config["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert text["attn_output_gate"] is True and text["mtp_num_hidden_layers"] == 1
+    assert text["head_dim"] == 64 and text["linear_key_head_dim"] == text["linear_value_head_dim"] == 64
+    assert text["linear_num_value_heads"] % text["linear_num_key_heads"] == 0
+    assert text["vocab_size"] >= len(tokenizer)
+    with safe_open(str(Path(tiny_hybrid_dir) / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        dtypes = {str(f.get_tensor(k).dtype) for k in keys}
+    assert dtypes == {"torch.bfloat16"}  # vLLM's CPU GDN kernels need bf16 weights
+    assert any(k.startswith("model.language_model.layers.0.linear_attn.conv1d") for k in keys)
+    assert any(k.startswith("model.language_model.layers.3.self_attn.q_proj") for k in keys)
+    assert any(k.startswith("model.visual.") for k in keys)
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight",
+            "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(keys)
+
+
+def test_hybrid_loads_in_transformers_with_the_checkpoints_weights(tiny_hybrid_dir, tokenizer):
+    """The text model transformers builds for stage 2 (Qwen3_5ForCausalLM) holds exactly the checkpoint's
+    `model.language_model.*` tensors, and is trained: it answers in the thinking format's vocabulary."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hybrid_dir, dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    stored = load_file(str(Path(tiny_hybrid_dir) / "model.safetensors"))
+    state = model.model.state_dict()
+    language = {k.removeprefix("model.language_model."): v for k, v in stored.items()
+                if k.startswith("model.language_model.")}
+    assert set(language) == set(state)
+    for name, tensor in language.items():
+        assert torch.equal(state[name], tensor), name
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokenizer.encode(text, add_special_tokens=False)]))
+    top = tokenizer.convert_ids_to_tokens(out.logits[0, -1].float().topk(5).indices.tolist())
+    assert not set(top) & set(SPECIAL_TOKENS), top
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # vLLM (CPU build)
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
