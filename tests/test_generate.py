@@ -135,23 +135,29 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("engine", [
     {"enable_prefix_caching": True},
-    # MTP drafts with the model's own head; the CPU build can run it only without prefix caching (see below).
+    # MTP drafts with the model's own head. The CPU build runs it only without prefix caching and without top_k
+    # (known_engine_problem in job/engine.py); GPUs run the production settings.
     {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 ], ids=["prefix-caching", "mtp"])
 def test_hybrid_end_to_end(tmp_path, make_config, tokenizer, tiny_hybrid_dir, engine):
     rows = mixed_input_rows()
     inp = write_prompts(tmp_path / "in", rows, num_files=2, schema=INPUT_SCHEMA)
+    mtp = "speculative_config" in engine
+    # Without top_k a tiny model wanders off the format (word salad, think blocks left open): no canary then.
+    sampling = {"max_tokens": 128, "top_k": -1} if mtp else {"max_tokens": 512}
     config = make_config(model=tiny_hybrid_dir, input=inp, output=str(tmp_path / "run"),
                          engine_kwargs={**load_config(DEMO_CONFIG).engine_kwargs, **HYBRID_ENGINE_KWARGS, **engine},
-                         **{"generate.rows_per_shard": 16})
+                         **{"generate.rows_per_shard": 16, "generate.sampling": sampling,
+                            "quality.canary_rows": 0 if mtp else 32})
     summary = run_generate(config)
     assert summary.num_rows == len(rows)
     table = read_run(config.output)
     check_completions(table, tokenizer, rows)  # the hybrid shares the tokenizer and template
     errors = {r["id"] for r in table.to_pylist() if r["error"] is not None}
     assert errors == {str(i) for i in BAD_ROWS}
-    run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert run["generate"]["canary_passed"] is True, "the trained hybrid answers in the thinking format"
+    if not mtp:
+        run = json.loads((tmp_path / "run" / "run.json").read_text())
+        assert run["generate"]["canary_passed"] is True, "the trained hybrid answers in the thinking format"
 
 
 def test_hybrid_mtp_with_prefix_caching_on_cpu_is_refused_once(tmp_path, make_config, tiny_hybrid_dir):
