@@ -98,3 +98,24 @@ def test_user_error_from_the_command_line_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: input")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, capsys, tiny_hybrid_dir):
+    """vLLM's Qwen3.5 model imports torchvision. An install without it (a fault injected here: a torchvision that
+    fails to import, first on the actors' path) used to end, after Ray Data retried the actor, in a pydantic
+    traceback ("architectures ... failed to be inspected"). Now: one line that names the missing module, exit 2."""
+    stub = tmp_path / "no-torchvision"
+    stub.mkdir()
+    # Python imports sitecustomize at start-up: this one hides torchvision as if it were not installed.
+    (stub / "sitecustomize.py").write_text("import sys\nsys.modules['torchvision'] = None\n")
+    inp = write_prompts(tmp_path / "in", simple_prompts(4))
+    config = tmp_path / "hybrid.yaml"
+    config.write_text((REPO / "configs" / "demo.yaml").read_text().replace(
+        "  dtype: bfloat16", "  dtype: bfloat16\n  language_model_only: true").replace(
+        "env_vars:", f"env_vars:\n  PYTHONPATH: \"{stub}:{REPO}\""))
+    rc, err = run_cli(capsys, "generate", "--config", str(config), "--model", tiny_hybrid_dir, "--input", inp,
+                      "--output", str(tmp_path / "run"))
+    assert rc == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM could not start an engine") and "Qwen3_5ForConditionalGeneration" in last
+    assert "No module named 'torchvision" in last and "make install" in last
