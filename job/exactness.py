@@ -25,9 +25,9 @@ from job.extractor import HiddenStateCheckError, Sample, decoder_stack
 FIRST_TOKENS = 16
 # Relative L2 difference allowed between a batched and a lone forward. float32: a different GEMM blocking moves the
 # last bits (measured <= 1e-6 on the tiny models). bf16/fp16: rounding differs between batch shapes and kernels
-# (measured <= 0.3 % on CPU, <= 0.5 % on an H200 over 8 layers); 2 % leaves room for 64 layers and for vLLM's own
-# kernels, and is still far below what a leak does.
-DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.02, "float16": 0.02}
+# (measured <= 0.3 % on the tiny hybrid, 1.8 % on a random 8-layer hidden-2048 Qwen3.5 shape on CPU); 5 % leaves
+# room for 64 layers and for vLLM's own kernels, and is still far below what a leak does (73-78 % on that shape).
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
 
 
 def tolerance_for(dtype: str, configured: float | None) -> float:
