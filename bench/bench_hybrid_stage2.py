@@ -1,0 +1,80 @@
+"""Stage 2 (transformers backend) on the 27B hybrid shape: padded vs packed batches vs a plain forward, one process.
+
+    PYTHONPATH=.:/root/site python3 bench/bench_hybrid_stage2.py --out $OUT/hybrid_stage2.json    # one H200
+
+Qwen3.6-27B text shape (hidden 5120, 64 layers: 3 Gated DeltaNet : 1 gated attention, head_dim 256, 24/4 heads,
+16/48 linear heads of 128, intermediate 17408), random bf16 weights, DFlash layers [1, 16, 31, 46, 61]. The samples
+are bench_hidden_states.py's (log-normal lengths, median 1400, clipped to [256, 4096]). Timed after a warm-up pass
+of each (kernel autotuning, first shapes): the extractor end to end (forward with hooks, stopping after layer 61;
+checks; device->host copy) in each layout, and a plain transformers forward of all 64 layers over the same padded
+batches (no hooks, nothing copied back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_hidden_states import make_samples, plain_forward  # noqa: E402
+
+from job.extractor import TransformersExtractor, plan_batches, plan_parts  # noqa: E402
+
+SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                 num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
+                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                 linear_num_value_heads=48, max_position_embeddings=40960,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                  "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def main():
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-samples", type=int, default=120)
+    parser.add_argument("--batch-tokens", type=int, default=32768)
+    args = parser.parse_args()
+    layer_ids = [1, 16, 31, 46, 61]
+    started = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SHAPE_27B, attn_implementation="sdpa")).eval()
+    torch.set_default_dtype(torch.float32)
+    results = {"init_s": time.perf_counter() - started, "gpu": torch.cuda.get_device_name()}
+    samples = make_samples(args.num_samples, 4096, seed=0, min_len=256, max_len=4096)
+    warm = make_samples(8, 4096, seed=1, min_len=256, max_len=2048)
+    tokens = sum(s.num_tokens for s in samples)
+    results["num_tokens"] = tokens
+    for attention in ("padded", "packed"):
+        ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=args.batch_tokens, attention=attention)
+        list(ex.run(list(enumerate(plan_parts(warm, 8))), pooled=False))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for part in ex.run(list(enumerate(plan_parts(samples, 8)))):
+            part.release()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        results[attention] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
+                              "padding_waste": ex.stats.padding_waste, "wait_gpu_s": ex.stats.wait_gpu_s}
+        ex.close()
+        print(attention, json.dumps(results[attention]), flush=True)
+    ordered = [s for p in plan_parts(samples, 8) for s in p]
+    batches = [ordered[a:b] for a, b in plan_batches([s.num_tokens for s in ordered], args.batch_tokens)]
+    plain_forward(model, [warm], "cuda", packed=False)
+    seconds = plain_forward(model, batches, "cuda", packed=False)
+    results["plain_forward_padded_64_layers"] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
+    print("plain", json.dumps(results["plain_forward_padded_64_layers"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
