@@ -4,8 +4,8 @@
 
 Qwen3.6-27B text shape (hidden 5120, 64 layers: 3 Gated DeltaNet : 1 gated attention, head_dim 256, 24/4 heads,
 16/48 linear heads of 128, intermediate 17408), random bf16 weights, DFlash layers [1, 16, 31, 46, 61]. The samples
-are bench_hidden_states.py's (log-normal lengths, median 1400, clipped to [256, 4096]). Timed after a warm-up pass
-of each (kernel autotuning, first shapes): the extractor end to end (forward with hooks, stopping after layer 61;
+are bench_hidden_states.py's (log-normal lengths, median 1400, clipped to [256, 4096]). Timed on the second of two
+passes of each (kernel autotuning, first shapes): the extractor end to end (forward with hooks, stopping after layer 61;
 checks; device->host copy) in each layout, and a plain transformers forward of all 64 layers over the same padded
 batches (no hooks, nothing copied back).
 """
@@ -55,20 +55,22 @@ def main():
     results["num_tokens"] = tokens
     for attention in ("padded", "packed"):
         ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=args.batch_tokens, attention=attention)
-        list(ex.run(list(enumerate(plan_parts(warm, 8))), pooled=False))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for part in ex.run(list(enumerate(plan_parts(samples, 8)))):
-            part.release()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
+        # Timed on the second of two full passes: fla's Triton kernels autotune on every new batch shape, and the
+        # first pass pays that (measured: 52 s padded, 33 s packed on the first pass).
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for part in ex.run(list(enumerate(plan_parts(samples, 8)))):
+                part.release()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t
         results[attention] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
                               "padding_waste": ex.stats.padding_waste, "wait_gpu_s": ex.stats.wait_gpu_s}
         ex.close()
         print(attention, json.dumps(results[attention]), flush=True)
     ordered = [s for p in plan_parts(samples, 8) for s in p]
     batches = [ordered[a:b] for a, b in plan_batches([s.num_tokens for s in ordered], args.batch_tokens)]
-    plain_forward(model, [warm], "cuda", packed=False)
+    plain_forward(model, batches, "cuda", packed=False)  # its shapes are tuned already: one pass to be sure
     seconds = plain_forward(model, batches, "cuda", packed=False)
     results["plain_forward_padded_64_layers"] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
     print("plain", json.dumps(results["plain_forward_padded_64_layers"]), flush=True)
