@@ -56,9 +56,14 @@ def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
+        print(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']} (RAY_ADDRESS)", flush=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                 configure_logging=False)
+        # address="local": a Ray of this job's own. Plain ray.init() would find a head started on this machine with
+        # `ray start --head` (how one tries `ray job submit` before renting a cluster), join it, and refuse
+        # num_cpus with a raw ValueError. Jobs meant for that head get RAY_ADDRESS from `ray job submit`.
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
+        print("ray: a local Ray of this job's own (RAY_ADDRESS is not set; `ray job submit` sets it)", flush=True)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
     ctx.print_on_execution_start = False

@@ -51,7 +51,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
                          limit=NUM_ROWS, **{"generate.rows_per_shard": 8})
     started = not ray.is_initialized()
     if started:  # one local Ray for both stages: each stage reuses it instead of starting its own
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         # No canary: a 24-row run of the tiny model is all canary, and its verdict is not what is tested here.
         run_generate(config, canary=False)

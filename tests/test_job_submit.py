@@ -61,8 +61,13 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 def ray_head():
     """A local head with the dashboard/job API; yields (dashboard address, metrics URL, env for the CLI, temp dir)."""
     gcs, dash, agent_http, agent_grpc, env_agent, client, metrics = free_ports(7)
-    temp_dir = tempfile.mkdtemp(prefix="rjs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    tmp = tempfile.mkdtemp(prefix="rjs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    temp_dir = os.path.join(tmp, "ray")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    # Ray's default temp dir is $RAY_TMPDIR/ray: this head writes its address where a plain ray.init() on this
+    # machine looks for a running head (ray_current_cluster), as `ray start --head` without flags does, but for
+    # processes with this environment only.
+    env["RAY_TMPDIR"] = tmp
     # The job's entrypoint runs `python` from the head's PATH: this virtualenv's.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -71,7 +76,7 @@ def ray_head():
     # CLI, the head and the job all read it), so the user's ~/.ray/auth_token is neither read nor written.
     env["RAY_AUTH_MODE"] = "token"
     env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+    log = open(os.path.join(tmp, "ray-start.log"), "w")
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(gcs),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
@@ -87,7 +92,7 @@ def ray_head():
     finally:
         _stop_head(proc)
         log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stop_head(proc: subprocess.Popen) -> None:
@@ -131,6 +136,17 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     progress = [line for line in logs.splitlines() if line.startswith("[generate] ")]
     assert progress and progress[-1].startswith(f"[generate] {NUM_ROWS}/{NUM_ROWS} rows (100.0%)"), logs[-4000:]
     assert "\r" not in "".join(progress)
+    assert "ray: joined the cluster at" in logs  # `ray job submit` sets RAY_ADDRESS: the job says where it runs
+
+    # The same head still running, a user runs stage 2 on this machine without RAY_ADDRESS (`make demo` does the
+    # same). A plain ray.init() would find the head through ray_current_cluster and refuse num_cpus with a raw
+    # ValueError; the job starts a Ray of its own instead, and says so.
+    local = subprocess.run([sys.executable, "-m", "job", "hidden-states", "--config", "configs/demo.yaml",
+                            "--output", output], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    assert "\nray: a local Ray of this job's own" in local.stdout, local.stdout[:1000]
+    assert f"hidden states: {NUM_ROWS} samples" in local.stdout, local.stdout[-1000:]
+    assert "Traceback" not in local.stderr, local.stderr[-3000:]
 
     # The shards: NUM_ROWS rows, each input id exactly once (the first NUM_ROWS ids, in input order).
     import pyarrow.dataset as ds
