@@ -60,12 +60,18 @@ class ShardStat:
 
 def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[str, float, int]]:
     """(name, mtime, size) of every `.arrow` shard under `directory`; [] when it does not exist yet."""
+    return _list_shards_with(directory, (schema.SHARD_SUFFIX,), storage_config)
+
+
+def _list_shards_with(directory: str, suffixes: tuple[str, ...],
+                      storage_config: StorageConfig) -> list[tuple[str, float, int]]:
+    """(name relative to `directory`, mtime, size) of every file under it whose name ends in one of `suffixes`."""
     fs, path = storage.resolve(directory, storage_config)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
     infos = storage.with_retries(fs.get_file_info, selector, what=f"list {directory}", storage=storage_config)
     out = []
     for i in infos:
-        if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and not i.base_name.startswith("."):
+        if i.type == pafs.FileType.File and i.path.endswith(suffixes) and not i.base_name.startswith("."):
             mtime = i.mtime.timestamp() if i.mtime is not None else 0.0
             out.append((i.path[len(path):].lstrip("/"), mtime, int(i.size or 0)))
     return sorted(out)
@@ -186,6 +192,59 @@ def _covered_rows(shards: list[ShardStat]) -> int:
     return total
 
 
+def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage_config: StorageConfig, *,
+                       read_markers: bool = True, num_threads: int = 32) -> dict | None:
+    """Stage 2's progress against the completion shards written so far; None before stage 2 first ran.
+
+    Stage 2 turns each completion shard into parts `hidden_states/<stem>[-n<limit>]-p<k>.arrow` and, after its
+    last part, a marker `hidden_states/_done/<stem>[-n<limit>].json` (`<stem>`: the shard's name, `/` → `__`).
+    A shard's rows are done when its full marker exists; a `--limit` run's marker covers its first <limit> rows.
+    Markers also carry the sample and token counts, read only when `read_markers` (one small GET each)."""
+    hidden_dir = storage.join(run_uri, schema.HIDDEN_STATES_DIR)
+    files = _list_shards_with(hidden_dir, ("",), storage_config)
+    if not files and not run.get("hidden_states"):
+        return None
+    done_prefix = "_done/"
+    markers = {n[len(done_prefix):-len(".json")]: n for n, _, _ in files
+               if n.startswith(done_prefix) and n.endswith(".json")}
+    parts = [(n, size) for n, _, size in files if n.endswith(schema.SHARD_SUFFIX) and "/" not in n]
+    rows_done, used = 0, []
+    for shard in shards:
+        stem = shard.name[:-len(schema.SHARD_SUFFIX)].replace("/", "__")
+        if stem in markers:
+            rows_done += shard.num_rows
+            used.append(markers[stem])
+            continue
+        limited = [(int(tag[len(stem) + 2:]), name) for tag, name in markers.items()
+                   if tag.startswith(stem + "-n") and tag[len(stem) + 2:].isdigit()]
+        if limited:
+            rows, name = max(limited)
+            rows_done += min(rows, shard.num_rows)
+            used.append(name)
+    rows_written = sum(s.num_rows for s in shards)
+    out = {
+        "status": run.get("hidden_states", {}).get("status", "running" if files else "not started"),
+        "rows_done": rows_done,
+        "rows_to_do": max(0, rows_written - rows_done),
+        "rows_from_stage1": rows_written,
+        "completion_shards_done": len(used),
+        "completion_shards_to_do": len(shards) - len(used),
+        "parts": len(parts),
+        "bytes": sum(size for _, size in parts),
+        "samples": None,
+        "tokens": None,
+    }
+    if read_markers and used:
+        def read(name: str) -> dict:
+            return storage.read_json(storage.join(hidden_dir, name), storage_config)
+
+        with ThreadPoolExecutor(num_threads) as pool:
+            summaries = list(pool.map(read, used))
+        out["samples"] = sum(int(m.get("num_samples", 0)) for m in summaries)
+        out["tokens"] = sum(int(m.get("num_tokens", 0)) for m in summaries)
+    return out
+
+
 def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, window_s: float = 1800.0,
                  now: float | None = None, read_columns: bool = True) -> dict:
     """Everything `python -m job status` prints, as a dict (also what `--json` prints)."""
@@ -223,9 +282,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     elif remaining and rate_for_eta and rate_for_eta.rows_per_s > 0:
         eta_s = remaining / rate_for_eta.rows_per_s
 
-    hidden_dir = storage.join(run_uri, schema.HIDDEN_STATES_DIR)
-    hidden = _list_shards(hidden_dir, storage_config)
-    hidden_rows = sum(p[2] - p[1] for p in (parse_shard_name(n) for n, _, _ in hidden) if p)
+    stage2 = scan_hidden_states(run_uri, run, shards, storage_config, read_markers=read_columns)
 
     return {
         "run": run_uri,
@@ -254,8 +311,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
         "eta_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(now + eta_s)) if eta_s else None,
         "last_shard_age_s": now - last_mtime if last_mtime else None,
         "holes": [{"file_index": f, "start": a, "stop": b} for f, a, b in _holes(shards)],
-        "hidden_state_shards": len(hidden),
-        "hidden_state_rows": hidden_rows,
+        "hidden_states": stage2,
     }
 
 
@@ -324,8 +380,19 @@ def format_status(st: dict) -> str:
         lines.append(f"holes    {len(st['holes'])} row range(s) not written between done shards: {shown}{more} "
                      "(units still in flight, or lost with a dead job: the next `generate` on this output "
                      "fills them)")
-    if st["hidden_state_shards"]:
-        lines.append(f"stage 2  {st['hidden_state_shards']:,} hidden-state shards ({st['hidden_state_rows']:,} rows)")
+    hs = st["hidden_states"]
+    if hs is None:
+        lines.append("stage 2  not started (`python -m job hidden-states` with the same --output)")
+    else:
+        line = (f"stage 2  {hs['rows_done']:,} / {hs['rows_from_stage1']:,} rows done"
+                f" ({hs['completion_shards_done']:,} of {hs['completion_shards_done'] + hs['completion_shards_to_do']:,}"
+                f" completion shards), {hs['rows_to_do']:,} to do; {hs['parts']:,} parts ({_bytes(hs['bytes'])})")
+        if hs["samples"] is not None:
+            line += f", {hs['samples']:,} samples, {hs['tokens']:,} tokens"
+        lines.append(line + f"  [{hs['status']}]")
+        if total is not None and hs["rows_from_stage1"] < total:
+            lines.append(f"         (stage 1 has written {hs['rows_from_stage1']:,} of {total:,} rows: stage 2 can "
+                         "only follow what exists)")
     return "\n".join(lines)
 
 

@@ -313,6 +313,36 @@ def test_hidden_state_summary(run_dir, rows, table):
     assert ji.summarize_hidden_states(run_dir, max_samples=2)["num_samples"] == 2
 
 
+def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys):
+    """`python -m job status` on the real run: stage 2's rows done / to do come from its markers, not from
+    stage-1 shard names (which the stage-2 part names are not)."""
+    from job import status
+
+    ok = [r for r in table.to_pylist() if r["error"] is None]
+    st = status.build_status(run_dir)
+    hs = st["hidden_states"]
+    assert hs["rows_done"] == NUM_ROWS and hs["rows_to_do"] == 0 and hs["status"] == "complete"
+    assert hs["completion_shards_done"] == 3 and hs["completion_shards_to_do"] == 0 and hs["parts"] >= 3
+    assert hs["samples"] == len(ok)
+    assert hs["tokens"] == sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
+    assert status.main([run_dir]) == 0
+    assert f"stage 2  {NUM_ROWS} / {NUM_ROWS} rows done (3 of 3 completion shards), 0 to do" in capsys.readouterr().out
+
+    # Before stage 2: said so, in the same place.
+    assert status.build_status(stage1_dir)["hidden_states"] is None
+    assert status.main([stage1_dir]) == 0
+    assert "stage 2  not started" in capsys.readouterr().out
+
+    # A stage 2 cut short: one completion shard's marker missing (its parts may be there) → its rows are to do.
+    partial = str(tmp_path / "partial")
+    shutil.copytree(run_dir, partial)
+    markers = sorted((Path(partial) / schema.HIDDEN_STATES_DIR / "_done").glob("*.json"))
+    markers[-1].unlink()
+    hs = status.build_status(partial, read_columns=False)["hidden_states"]
+    assert hs["rows_done"] == 16 and hs["rows_to_do"] == 8 and hs["completion_shards_to_do"] == 1
+    assert hs["samples"] is None, "names only: markers are not opened"
+
+
 def test_hidden_state_checks_fire_on_bad_features(run_dir, rows, tmp_path):
     """Injected faults: layer 1 of the first sample all zero, a NaN in layer 0 of the second, and the input_ids
     of the third shifted by one (a re-templated or off-by-one stage 2)."""
