@@ -68,6 +68,7 @@ def parse_shard_name(name: str) -> tuple[int, int, int] | None:
 
 def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]:
     """Every .parquet file under `uri` (a folder, a single file or an S3 prefix), with row counts from footers."""
+    storage.check_reachable(uri, storage_config)
     fs, path = storage.resolve(uri, storage_config)
     try:
         info = storage.with_retries(fs.get_file_info, path, what=f"stat {uri}", storage=storage_config)

@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from job.storage import StorageError
+
     args = build_parser().parse_args(argv)
     try:
         measured = measure_run(args.from_run, num_gpus=args.from_gpus) if args.from_run else None
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
             usd_per_gb_month=args.usd_per_gb_month,
         )
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = estimate(inputs)

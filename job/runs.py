@@ -91,6 +91,9 @@ def write_run_json(config: RunConfig, stage_key: str, stage_info: dict) -> None:
 
 
 def read_run_json(output: str, storage_config) -> dict | None:
+    """The run's run.json, or None. Every command reads it first: a run location that cannot work at all (a host
+    that does not resolve, a bucket that does not exist) is refused here, at once, in one line."""
+    storage.check_reachable(output, storage_config)
     uri = run_json_uri(output)
     return storage.read_json(uri, storage_config) if storage.exists(uri, storage_config) else None
 

@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         st = build_status(args.run, StorageConfig(endpoint_url=args.endpoint_url), window_s=args.window_min * 60,
                           read_columns=not args.names_only)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(st, indent=2) if args.json else format_status(st))

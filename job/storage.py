@@ -103,6 +103,45 @@ def with_retries(fn, *args, what: str, storage: StorageConfig | None = None, **k
             time.sleep(min(20.0, storage.retry_base_s * 2**attempt) * (0.5 + random.random()))
 
 
+# curl's codes for "the endpoint is not there at all" (pyarrow's AWS SDK words them "curlCode: 6, Could not
+# resolve hostname"): a mistyped endpoint or a network without DNS for it. Retrying them for minutes only
+# delays the message; checked once, on first contact (check_reachable), never in the middle of a job.
+_UNREACHABLE = {"curlcode:6": "cannot resolve the endpoint's host name",
+                "curlcode:7": "cannot connect to the endpoint"}
+_reachable: set[tuple[str, str]] = set()
+
+
+def check_reachable(uri: str, storage: StorageConfig | None = None) -> None:
+    """Fail at once, in one line, when an s3:// URI cannot work at all: its endpoint's host does not resolve or
+    does not answer, or its bucket does not exist. One HeadBucket, no retries, once per bucket and process.
+    Transient errors and a bucket we may not HeadBucket (403: no s3:ListBucket) pass: the call that follows
+    retries or fails with its own message."""
+    if not is_s3(uri):
+        return
+    storage = storage or StorageConfig()
+    fs, path = resolve(uri, storage)
+    bucket = path.split("/", 1)[0]
+    endpoint = (storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                or "AWS S3")
+    key = (endpoint, bucket)
+    if key in _reachable:
+        return
+    try:
+        info = fs.get_file_info(bucket)
+    except (OSError, pa.ArrowException) as e:
+        text = str(e).lower().replace(" ", "")
+        for code, what in _UNREACHABLE.items():
+            if code in text:
+                detail = str(e).rsplit("Details: ", 1)[-1].strip()
+                raise StorageError(f"{uri}: {what} ({endpoint}: {detail}); check the endpoint URL "
+                                   "(--endpoint-url, AWS_ENDPOINT_URL) and the network") from None
+        return
+    if info.type == pafs.FileType.NotFound:
+        raise StorageError(f"{uri}: bucket {bucket!r} does not exist at {endpoint} (a typo in the URI, or the "
+                           "wrong endpoint or account?)")
+    _reachable.add(key)
+
+
 def exists(uri: str, storage: StorageConfig | None = None) -> bool:
     fs, path = resolve(uri, storage)
     info = with_retries(fs.get_file_info, path, what=f"stat {uri}", storage=storage)

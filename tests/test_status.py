@@ -156,6 +156,46 @@ def test_status_on_s3(moto_s3):
     assert st["last_shard_age_s"] is not None and st["last_shard_age_s"] < 600
 
 
+def test_unreachable_or_mistyped_s3_is_one_line_at_once(moto_s3, capsys, monkeypatch):
+    """A bucket that does not exist, a host that does not resolve, an endpoint nobody listens on: one line, no
+    traceback, no minute of retries, for `status`, `plan --from` and `report`."""
+    from job import cli, plan
+    from job.storage import StorageError, check_reachable
+
+    closed_port = free_port()  # nothing listens there
+    cases = [(["s3://no-such-bucket/runs/x", "--endpoint-url", moto_s3], "bucket 'no-such-bucket' does not exist"),
+             (["s3://runs/x", "--endpoint-url", "http://no-such-host.invalid:9000"],
+              "cannot resolve the endpoint's host name"),
+             (["s3://runs/x", "--endpoint-url", f"http://127.0.0.1:{closed_port}"], "cannot connect to the endpoint")]
+    for argv, expected in cases:
+        started = time.monotonic()
+        assert status.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expected in err and len(err.strip().splitlines()) == 1, err
+        assert time.monotonic() - started < 15, "refused at once, not after the retries"
+
+    # The other read-side commands go through the same first contact (run.json), with the endpoint from the env.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    assert plan.main(["--from", "s3://no-such-bucket/runs/x", "--prompts", "10", "--gpus", "1"]) == 2
+    assert "bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
+    assert cli.main(["report", "s3://no-such-bucket/runs/x"]) == 2
+    assert "bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
+    # The existing bucket passes (and an empty run location is "not a run directory", as before).
+    check_reachable("s3://runs/x", StorageConfig(endpoint_url=moto_s3))
+    with pytest.raises(StorageError, match="does not exist"):
+        check_reachable("s3://nope/x", StorageConfig(endpoint_url=moto_s3))
+    assert status.main(["s3://runs/x", "--endpoint-url", moto_s3]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture
 def moto_s3(monkeypatch):
     """A real S3 protocol server on loopback with one bucket, `runs`."""
