@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test clean up down submit status dashboard
+.PHONY: install demo test notebook clean up down submit status dashboard
 
 install: $(STAMP)
 
@@ -27,6 +27,19 @@ demo: install
 
 test: install
 	$(PY) -m pytest -x -q tests
+
+# The inspection notebook on a run: RUN_DIR is a run directory or s3:// URI (default: the demo's). Jupyter is
+# installed into .venv once (the `notebook` extra; torch is left as `make install` resolved it).
+RUN_DIR ?= demo-run
+NOTEBOOK_ARGS ?=
+NOTEBOOK_STAMP := .venv/.notebook-installed
+notebook: install $(NOTEBOOK_STAMP)
+	@test -e "$(RUN_DIR)" || case "$(RUN_DIR)" in s3://*) ;; *) echo "note: $(RUN_DIR) does not exist yet: run \`make demo\` first, or set RUN_DIR"; esac
+	RUN_DIR=$(RUN_DIR) .venv/bin/jupyter notebook $(if $(filter 0,$(shell id -u)),--allow-root) $(NOTEBOOK_ARGS) notebooks/inspect_outputs.ipynb
+$(NOTEBOOK_STAMP): $(STAMP)
+	.venv/bin/uv pip install --quiet --python $(PY) --override .venv/overrides.txt -e '.[notebook]'
+	$(PY) -c "import notebook, ipykernel, matplotlib, torchvision.ops, transformers"
+	touch $(NOTEBOOK_STAMP)
 
 clean:
 	rm -rf demo-run .cache
