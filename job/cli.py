@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
     r.add_argument("run", help="run directory (local or s3://)")
 
-    t = sub.add_parser("tiny-model", help="build the project's tiny Qwen3-style model")
+    t = sub.add_parser("tiny-model", help="build one of the project's tiny models (dense Qwen3, or hybrid Qwen3.5)")
     t.add_argument("--output", required=True)
+    t.add_argument("--architecture", choices=("dense", "hybrid"), default="dense",
+                   help="dense: Qwen3-style; hybrid: the target's Qwen3.5/3.6 architecture (Gated DeltaNet, MTP)")
     t.add_argument("--train-steps", type=int)
 
     sub.add_parser("status", help="progress of a run from its run directory alone (see --help)", add_help=False)
@@ -125,7 +127,7 @@ def _dispatch(args) -> int:
         from job.tiny_model import build_tiny_model
 
         kwargs = {"train_steps": args.train_steps} if args.train_steps else {}
-        print(build_tiny_model(args.output, **kwargs))
+        print(build_tiny_model(args.output, architecture=args.architecture, **kwargs))
         return 0
     if args.command == "demo":
         from job.demo import run_demo
