@@ -272,7 +272,7 @@ class CompletionGenerator:
     def _to_table(self, inp: pa.Table, results: list[dict]) -> pa.Table:
         columns = {name: [r[name] for r in results] for name in schema.COMPLETION_COLUMNS}
         arrays = [pa.array(columns[f.name], type=f.type) for f in schema.COMPLETION_FIELDS]
-        arrays += [inp.column(f.name) for f in self.out_schema if f.name not in schema.COMPLETION_COLUMNS]
+        arrays += [inp.column(name) for name, _ in schema.carried_columns(self.carried_schema)]
         return pa.Table.from_arrays(arrays, schema=self.out_schema)
 
     async def _watch(self):

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -141,6 +142,11 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.
         if ids.null_count:
             raise InputError(f"input file {f.uri}: {ids.null_count} row(s) have a null `{schema.ID}`; every row "
                              "needs an id")
+        if pa.types.is_floating(ids.type):  # NaN != NaN: duplicate NaN ids would pass the uniqueness check
+            nan = pc.sum(pc.is_nan(ids).cast(pa.int64())).as_py() or 0
+            if nan:
+                raise InputError(f"input file {f.uri}: {nan} row(s) have a NaN `{schema.ID}`; every row needs an "
+                                 "id (floating-point ids are fragile: prefer strings or integers)")
         hashes.append(_hash64(ids.combine_chunks()))
     ordered = np.sort(np.concatenate(hashes))
     suspects = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
@@ -159,6 +165,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.
 
 
 def _hash64(ids: pa.Array) -> np.ndarray:
+    if pa.types.is_unsigned_integer(ids.type):  # uint64 ids above 2^63 do not fit int64
+        return ids.cast(pa.uint64()).to_numpy()
     if pa.types.is_integer(ids.type):
         return ids.cast(pa.int64()).to_numpy().view(np.uint64)
     import pandas as pd  # vectorized 64-bit hashing of strings (pandas comes with Ray Data)

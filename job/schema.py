@@ -66,11 +66,33 @@ COMPLETION_FIELDS = [
 COMPLETION_COLUMNS = [f.name for f in COMPLETION_FIELDS]
 
 
+# An input column named like a completion column (GSM8K's `answer`, an `error` or `seed` of the source data) is
+# carried under this prefix instead of being dropped or overwritten: `answer` → `input_answer`.
+CARRIED_PREFIX = "input_"
+
+
+def carried_columns(carried: pa.Schema) -> list[tuple[str, pa.Field]]:
+    """(input column name, its field in the completion shard) for every input column carried through: all but
+    `id` (the completion's own), renamed with CARRIED_PREFIX where the name is taken."""
+    taken = set(COMPLETION_COLUMNS) | set(carried.names)
+    out = []
+    for f in carried:
+        if f.name == ID:
+            continue
+        name = f.name
+        if name in COMPLETION_COLUMNS:
+            while name in taken:
+                name = CARRIED_PREFIX + name
+            taken.add(name)
+        out.append((f.name, f.with_name(name)))
+    return out
+
+
 def completion_schema(carried: pa.Schema | None = None) -> pa.Schema:
     """Schema of a completion shard: the fixed columns, then the input columns carried through."""
     fields = list(COMPLETION_FIELDS)
     if carried is not None:
-        fields += [f for f in carried if f.name not in COMPLETION_COLUMNS]
+        fields += [field for _, field in carried_columns(carried)]
     return pa.schema(fields)
 
 

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -78,28 +79,34 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
 # "curlCode: 56, Failure when receiving data", HTTP 500/503), matched case- and underscore-insensitively.
 # Anything else (ACCESS_DENIED, NoSuchBucket, a missing file) is not retried: retrying a user error only delays
 # its message.
-_TRANSIENT = ("slowdown", "503", "500", "internalerror", "internalfailure", "serviceunavailable", "throttl",
+_TRANSIENT = ("slowdown", "internalerror", "internalfailure", "serviceunavailable", "throttl",
               "networkconnection", "connection", "reset", "timedout", "timeout", "curlcode", "brokenpipe")
 
 
 def _is_transient(e: Exception) -> bool:
     if isinstance(e, FileNotFoundError):
         return False
-    text = str(e).lower().replace("_", "").replace(" ", "")
+    # Quoted keys, buckets and paths are left out: shard names hold digit runs such as r0000000500, and an
+    # ACCESS_DENIED on such a key is not a 500. HTTP codes count only as whole numbers.
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "", str(e)).lower()
+    if re.search(r"(?<![\w.])50[0-4](?![\w.])", text):
+        return True
+    text = text.replace("_", "").replace(" ", "")
     return any(t in text for t in _TRANSIENT)
 
 
 def with_retries(fn, *args, what: str, storage: StorageConfig | None = None, **kwargs):
     storage = storage or StorageConfig()
-    for attempt in range(storage.num_retries):
+    attempts = max(1, storage.num_retries)  # num_retries is attempts in all: 0 or 1 both mean "try once"
+    for attempt in range(attempts):
         try:
             return fn(*args, **kwargs)
         except (OSError, pa.ArrowException) as e:
             msg = str(e)
             if not _is_transient(e):
                 raise
-            if attempt == storage.num_retries - 1:
-                raise StorageError(f"{what}: still failing after {storage.num_retries} attempts: {msg}") from e
+            if attempt == attempts - 1:
+                raise StorageError(f"{what}: still failing after {attempts} attempts: {msg}") from e
             time.sleep(min(20.0, storage.retry_base_s * 2**attempt) * (0.5 + random.random()))
 
 

@@ -23,7 +23,9 @@ from job import inspect as ji
 from job import report, schema, storage
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
-INPUT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("topic", pa.string())])
+# `answer` is taken by the completion's own column (GSM8K-style data has one): carried as `input_answer`.
+INPUT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("topic", pa.string()),
+                          ("answer", pa.string())])
 NUM_ROWS = 24
 BAD = {10: ("   ", "empty prompt"), 17: ("word " * 3000, "prompt too long")}  # row index: (prompt, error kind)
 
@@ -43,7 +45,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
     from job.hidden_states import run_hidden_states
 
     base = tmp_path_factory.mktemp("inspect")
-    rows = simple_prompts(NUM_ROWS)
+    rows = [{**r, "answer": f"gold-{i}"} for i, r in enumerate(simple_prompts(NUM_ROWS))]
     for i, (prompt, _) in BAD.items():
         rows[i]["prompt"] = prompt
     write_prompts(base / "prompts", rows, schema=INPUT_SCHEMA)
@@ -87,6 +89,17 @@ def rows(run_dir) -> pa.Table:
 # ---------------------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_input_column_named_like_a_completion_column_is_carried_under_a_prefix(table):
+    """The input's `answer` (the dataset's gold answer) is kept as `input_answer`; `answer` is the model's."""
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert len(by_id) == NUM_ROWS
+    for i in range(NUM_ROWS):
+        row = by_id[f"p{i:04d}"]
+        assert row["input_answer"] == f"gold-{i}" and row["topic"] == f"t{i % 3}"
+        assert row["answer"] != f"gold-{i}"
+    assert table.schema.names.count("answer") == 1
 
 
 def test_resolve_run_dir(tmp_path, monkeypatch):

@@ -41,6 +41,9 @@ def _input(tmp_path, case: str) -> str:
     elif case == "duplicate_id":  # the duplicate is across two files
         write_prompts(d, [{"id": "x", "prompt": "a"}, {"id": "y", "prompt": "b"}, {"id": "x", "prompt": "c"},
                           {"id": "z", "prompt": "d"}], num_files=2)
+    elif case == "nan_id":  # NaN != NaN: two NaN ids used to pass the uniqueness check
+        write_prompts(d, [{"id": 1.0, "prompt": "a"}, {"id": float("nan"), "prompt": "b"},
+                          {"id": float("nan"), "prompt": "c"}])
     elif case == "schema_mismatch":
         write_prompts(d / "a", [{"id": 1, "prompt": "a"}])
         write_prompts(d / "b", [{"id": "2", "prompt": "b"}])
@@ -56,6 +59,7 @@ def _input(tmp_path, case: str) -> str:
     ("null_id", "null `id`"),
     ("duplicate_id", "duplicate id"),
     ("schema_mismatch", "disagree on their schema"),
+    ("nan_id", "NaN `id`"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(tmp_path, capsys, tiny_model_dir, case, words):
     out = tmp_path / "run"
@@ -119,3 +123,20 @@ def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, c
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: vLLM could not start an engine") and "Qwen3_5ForConditionalGeneration" in last
     assert "No module named 'torchvision" in last and "make install" in last
+
+
+def test_uint64_ids_above_2_63_are_validated(tmp_path):
+    """uint64 ids beyond int64's range used to end in a raw ArrowInvalid; they are ids like any other."""
+    import pyarrow as pa
+
+    from job.inputs import InputError, list_input_files, validate_input
+    from job.storage import StorageConfig
+
+    big = [2**63 + 1, 2**64 - 1, 5]
+    ok = write_prompts(tmp_path / "ok", [{"id": i, "prompt": "p"} for i in big],
+                       schema=pa.schema([("id", pa.uint64()), ("prompt", pa.string())]))
+    assert validate_input(list_input_files(ok, StorageConfig()), StorageConfig()).field("id").type == pa.uint64()
+    dup = write_prompts(tmp_path / "dup", [{"id": i, "prompt": "p"} for i in big + [2**64 - 1]],
+                        schema=pa.schema([("id", pa.uint64()), ("prompt", pa.string())]))
+    with pytest.raises(InputError, match="duplicate id.*18446744073709551615"):
+        validate_input(list_input_files(dup, StorageConfig()), StorageConfig())

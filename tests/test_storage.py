@@ -1,0 +1,43 @@
+"""Which storage errors are retried: pyarrow's own error texts for S3 failures (as its AWS SDK words them), and
+the attempt count. The S3 behaviour end to end (a faulty proxy in front of moto) is in test_resume.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from job import storage
+from job.storage import StorageConfig, StorageError
+
+
+@pytest.mark.parametrize("text, transient", [
+    ("When reading information for key 'runs/x/completions/f00000-r0000000500-0000000756.arrow' in bucket "
+     "'b': AWS Error ACCESS_DENIED during HeadObject operation: Access Denied", False),
+    ("When uploading part for key 'runs/x/f00000-r0000000503-0000000600.arrow' in bucket 'b': AWS Error "
+     "NO_SUCH_UPLOAD during UploadPart operation", False),
+    ("AWS Error UNKNOWN (HTTP status 503) during PutObject operation: Slow Down", True),
+    ("When writing key 'a/b' in bucket 'b': AWS Error UNKNOWN (HTTP status 500) during PutObject", True),
+    ("AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate.", True),
+    ("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 56, Failure when receiving data", True),
+    ("When getting information for bucket 'b': AWS Error NO_SUCH_BUCKET during HeadBucket", False),
+])
+def test_transient_errors_are_told_from_user_errors(text, transient):
+    assert storage._is_transient(OSError(text)) is transient
+
+
+def test_zero_retries_still_tries_once_and_counts_attempts():
+    calls = []
+
+    def ok():
+        calls.append(1)
+        return 42
+
+    assert storage.with_retries(ok, what="x", storage=StorageConfig(num_retries=0)) == 42 and len(calls) == 1
+
+    def flaky():
+        calls.append(1)
+        raise OSError("AWS Error SLOW_DOWN during PutObject operation")
+
+    calls.clear()
+    with pytest.raises(StorageError, match="still failing after 3 attempts"):
+        storage.with_retries(flaky, what="x", storage=StorageConfig(num_retries=3, retry_base_s=0.001))
+    assert len(calls) == 3
