@@ -119,6 +119,6 @@ def print_summary(config, summary) -> None:
           f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
     print(f"shards:  {storage.join(config.output, schema.COMPLETIONS_DIR)}/*.arrow  (report: "
           f"{storage.join(config.output, schema.REPORTS_DIR, 'generate.json')})")
-    print(f"look at them: RUN_DIR={config.output} jupyter notebook notebooks/inspect_outputs.ipynb, or "
+    print(f"look at them: make notebook RUN_DIR={config.output}, or "
           f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
           "format='arrow')")

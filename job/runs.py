@@ -1,14 +1,18 @@
 """The run directory: run.json (resolved config, versions, git sha, input identity), its drift check, and the
 writer lock that keeps two jobs from writing one output at the same time.
 
-run.json holds no credentials: the config has none (S3 credentials come from the environment or the instance
-profile), and environment variables named like secrets are dropped from `env_vars` before writing.
+run.json holds no credentials: S3 credentials come from the environment or the instance profile, and everything
+written to run.json passes `redact` first: any value under a key named like a secret (`hf_token`, `api_key`,
+`AWS_SECRET_ACCESS_KEY`, at any depth: engine_kwargs, env_vars, stage 2's engine_kwargs) and the password of any
+URL (`https://user:pass@host`) are replaced by "<redacted>". Reports and the notebook read run.json, so they
+never see them either.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -22,7 +26,29 @@ LOCK_NAME = "lock.json"
 LOCK_HEARTBEAT_S = 30.0
 LOCK_STALE_S = 120.0  # a lock whose heartbeat is older than this belongs to a dead driver
 
-_SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
+# Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.` and camelCase):
+# `hf_token` and `apiKey` are secrets, `max_tokens` and `num_speculative_tokens` are not.
+_SECRET_WORDS = {"key", "apikey", "secret", "token", "password", "passwd", "pwd", "credential", "credentials",
+                 "auth", "authorization", "cookie", "session"}
+REDACTED = "<redacted>"
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^/:@\s]*):(?P<password>[^/@\s]+)@", re.I)
+
+
+def _is_secret_name(key: str) -> bool:
+    words = re.split(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])", str(key))
+    return any(w.lower() in _SECRET_WORDS for w in words if w)
+
+
+def redact(value):
+    """A copy of `value` (JSON-like) without secrets: values under secret-named keys, URL passwords."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if _is_secret_name(k) and v not in (None, "", {}, []) else redact(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
+    return value
 
 
 class RunError(ValueError):
@@ -53,16 +79,13 @@ def git_sha() -> str | None:
 
 
 def public_config(config: RunConfig) -> dict:
-    data = to_dict(config)
-    data["env_vars"] = {k: v for k, v in data["env_vars"].items()
-                        if not any(w in k.upper() for w in _SECRET_WORDS)}
-    return data
+    return redact(to_dict(config))
 
 
 def identity(config: RunConfig, sampling: dict, chat_template: str | None, input_fingerprint: str) -> dict:
     """What must not change when a run resumes: the same rows must come from the same distribution."""
     gen = config.generate
-    return {
+    return redact({  # compared with what run.json holds, which is redacted
         "model": config.model,
         "sampling": {k: v for k, v in sorted(sampling.items())},
         "enable_thinking": gen.enable_thinking,
@@ -70,7 +93,7 @@ def identity(config: RunConfig, sampling: dict, chat_template: str | None, input
         "chat_template_kwargs": gen.chat_template_kwargs,
         "seed": gen.seed,
         "input_fingerprint": input_fingerprint,
-    }
+    })
 
 
 def check_drift(previous: dict, current: dict, force: bool) -> None:
@@ -84,10 +107,14 @@ def check_drift(previous: dict, current: dict, force: bool) -> None:
 def write_run_json(config: RunConfig, stage_key: str, stage_info: dict) -> None:
     uri = run_json_uri(config.output)
     data = storage.read_json(uri, config.storage) if storage.exists(uri, config.storage) else {}
-    data.update({"config": public_config(config), "versions": package_versions(), "git_sha": git_sha()})
+    provenance = {"config": public_config(config), "versions": package_versions(), "git_sha": git_sha()}
+    if stage_key == "generate" or "config" not in data:
+        data.update(provenance)  # the run's own: stage 1's config (rows per shard, sampling, input)
+    else:  # a later stage keeps stage 1's provenance and records its own beside it
+        stage_info = {**stage_info, "provenance": provenance}
     data.setdefault("created_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     data[stage_key] = {**data.get(stage_key, {}), **stage_info}
-    storage.write_json(uri, data, config.storage)
+    storage.write_json(uri, redact(data), config.storage)
 
 
 def read_run_json(output: str, storage_config) -> dict | None:

@@ -1,0 +1,41 @@
+"""run.json: what it records, and what it must never record (secrets), written by the project's own writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import DEMO_CONFIG
+
+from job import runs, storage
+from job.config import load_config
+
+
+def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
+    secrets = ["hf_SECRET_engine", "hf_SECRET_stage2", "SECRETPASSWORD", "SECRET_env_value", "sk-SECRET-api"]
+    config = load_config(DEMO_CONFIG, output=str(tmp_path / "run"), **{
+        "engine_kwargs": {"hf_token": secrets[0], "max_num_batched_tokens": 4096},
+        "hidden_states.engine_kwargs": {"hf_token": secrets[1]},
+        "storage.endpoint_url": f"http://minio-user:{secrets[2]}@127.0.0.1:9",
+        "env_vars": {"HF_TOKEN": secrets[3], "VLLM_CPU_KVCACHE_SPACE": "1"},
+        "generate.chat_template_kwargs": {"openai": {"apiKey": secrets[4]}},
+    })
+    ident = runs.identity(config, {"max_tokens": 64}, None, "f" * 16)
+    runs.write_run_json(config, "generate", {"identity": ident, "status": "running"})
+    stage2 = load_config(DEMO_CONFIG, output=str(tmp_path / "run"), model="other-model",
+                         **{"hidden_states.engine_kwargs": {"hf_token": secrets[1]}})
+    runs.write_run_json(stage2, "hidden_states", {"status": "complete"})
+
+    text = "".join(p.read_text() for p in Path(tmp_path / "run").rglob("*") if p.is_file())
+    for s in secrets:
+        assert s not in text, s
+    run = runs.read_run_json(config.output, config.storage)
+    assert run["config"]["engine_kwargs"] == {"hf_token": runs.REDACTED, "max_num_batched_tokens": 4096}
+    assert run["config"]["storage"]["endpoint_url"] == f"http://minio-user:{runs.REDACTED}@127.0.0.1:9"
+    assert run["config"]["env_vars"] == {"HF_TOKEN": runs.REDACTED, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # Stage 2 keeps stage 1's provenance (its model, its config) and records its own beside it.
+    assert run["config"]["model"] == config.model
+    assert run["hidden_states"]["provenance"]["config"]["model"] == "other-model"
+    # The identity is stored redacted and compared redacted: resuming the same config is no drift.
+    runs.check_drift(run["generate"]["identity"], runs.identity(config, {"max_tokens": 64}, None, "f" * 16),
+                     force=False)
+    assert storage.exists(runs.run_json_uri(config.output))
