@@ -121,7 +121,35 @@ def plan_units(config: RunConfig) -> list[Unit]:
     existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
     for unit in units:
         unit.existing = [name for name in existing if unit.owns(name)]
+        _take_covering_marker(unit)
     return units
+
+
+def _take_covering_marker(unit: Unit) -> None:
+    """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
+    done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
+    if unit.row_limit is None:
+        return
+    covering: list[tuple[float, int | None]] = []
+    for name in unit.existing:
+        m = re.fullmatch(re.escape(DONE_DIR + "/" + unit.stem) + r"(?:-n(\d+))?\.json", name)
+        if m:
+            covering.append((float("inf"), None) if m[1] is None else (int(m[1]), int(m[1])))
+    if covering:
+        rows, limit = max(covering, key=lambda c: c[0])
+        if rows >= unit.row_limit:
+            full = _num_rows_of_unit_shard(unit)
+            unit.row_limit = None if limit is None or limit >= full else limit
+            unit.num_rows = full if unit.row_limit is None else limit
+
+
+def _num_rows_of_unit_shard(unit: Unit) -> int:
+    from job.inputs import parse_shard_name
+
+    parsed = parse_shard_name(unit.uri.rsplit("/", 1)[-1])
+    if parsed:
+        return parsed[2] - parsed[1]
+    return storage.read_shard_columns(unit.uri, [schema.ID]).num_rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,7 +536,16 @@ def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started
         summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started)
-        runs.write_run_json(config, STAGE, {"status": "complete"})
+        # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
+        stage1 = runs.read_run_json(config.output, config.storage).get("generate", {})
+        partial = "status" in stage1 and stage1["status"] != "complete"
+        runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"})
+    if partial:
+        written, total = sum(u.num_rows for u in units), stage1.get("input", {}).get("num_rows")
+        print(f"note: stage 1 is not finished (status: {stage1['status']}; {written:,} of "
+              f"{f'{total:,}' if total is not None else '?'} rows written): the hidden states of those "
+              f"{len(units)} committed completion shards are done. Rerun `hidden-states` on this output when stage 1 "
+              "has finished: it does only the shards added since.", flush=True)
     print(f"hidden states: {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens, "
           f"{len(summary['shards'])} shards, {_human(summary['bytes'])}; this run: "
           f"{summary['num_tokens_extracted']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s, padding "

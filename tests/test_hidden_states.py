@@ -281,12 +281,67 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     ids = [r["id"] for r in load(run)]
     assert sorted(ids) == sorted(kept(rows))
 
-    # A finished run does nothing; changed settings are refused.
+    # A finished run does nothing; nor does a small --limit rerun of it, which keeps every committed file (it used
+    # to delete the parts of the shard its limit cut into, as another limit's leftovers); changed settings are
+    # refused.
     capsys.readouterr()
     summary = run_hidden_states(config)
     assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    files = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
+    config.limit = 10
+    summary = run_hidden_states(config)
+    assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    assert {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")} == files
+    assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
+    config.limit = None
     with pytest.raises(RunError, match="layer_ids"):
         run_hidden_states(hs_config(dense_dir, run, layer_ids=[0, 2]))
+
+
+def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(dense_dir, vocab_size, tmp_path,
+                                                                              capsys):
+    """Stage 1 still running (its run.json says so, one shard not yet written): stage 2 does the committed shards,
+    says that it is partial (not "complete"), and a later rerun does only the shard added since."""
+    from job import status
+    from job.runs import read_run_json
+
+    run = str(tmp_path)
+    rows = completion_rows(vocab_size, seed=3)
+    write_completions(run, rows)
+    last = os.path.join(run, schema.COMPLETIONS_DIR, f"f00000-r{SHARDS[-1][0]:010d}-{SHARDS[-1][1]:010d}.arrow")
+    held_back = tmp_path.parent / f"{tmp_path.name}-held-back.arrow"
+    os.rename(last, held_back)
+    storage.write_json(storage.join(run, schema.RUN_JSON), {"config": {"model": "stage-1-model"}, "generate": {
+        "status": "running", "input": {"num_rows": SHARDS[-1][1]}}})
+    config = hs_config(dense_dir, run)
+
+    capsys.readouterr()
+    run_hidden_states(config)
+    out = capsys.readouterr().out
+    assert f"note: stage 1 is not finished (status: running; {SHARDS[1][1]} of {SHARDS[-1][1]} rows written)" in out
+    assert read_run_json(run, None)["hidden_states"]["status"] == "partial"
+    assert sorted(r["id"] for r in load(run)) == sorted(kept(rows, limit=SHARDS[1][1]))
+    assert status.build_status(run)["hidden_states"]["status"] == "partial"
+
+    # Stage 1 finishes; the rerun extracts exactly the added shard (the earlier parts are not rewritten).
+    hs_dir = os.path.join(run, schema.HIDDEN_STATES_DIR)
+    before = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
+    os.rename(held_back, last)
+    run_json = read_run_json(run, None)
+    run_json["generate"]["status"] = "complete"
+    storage.write_json(storage.join(run, schema.RUN_JSON), run_json)
+    summary = run_hidden_states(config)
+    added = kept(rows[SHARDS[-1][0]:SHARDS[-1][1]])
+    new_parts = [n for n in part_files(run) if n.endswith(".arrow") and n not in before]
+    assert new_parts and all(n.startswith(os.path.basename(last)[:-len(".arrow")]) for n in new_parts)
+    assert sorted(i for n in new_parts for i in storage.read_shard(os.path.join(hs_dir, n)).column("id").to_pylist()) \
+        == sorted(added)
+    assert summary["num_tokens_extracted"] > 0
+    assert all(os.path.getmtime(os.path.join(hs_dir, n)) == t for n, t in before.items())
+    assert "not finished" not in capsys.readouterr().out
+    assert read_run_json(run, None)["hidden_states"]["status"] == "complete"
+    ids = [r["id"] for r in load(run)]
+    assert sorted(ids) == sorted(kept(rows)) and len(ids) == len(set(ids))
 
 
 def test_s3_output_round_trips(dense_dir, vocab_size, s3_bucket):
