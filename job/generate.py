@@ -118,10 +118,17 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
     fingerprint = inputs.fingerprint(files)
     ident = runs.identity(config, sampling, chat_template, fingerprint)
     if previous and "generate" in previous:
+        recorded = previous["generate"].get("input", {}).get("files")
+        if recorded is not None:  # refused whatever --force says: never resume across changed input
+            file_records = inputs.check_unchanged(recorded, files, config.input, config.storage)
+        else:  # a run directory from before files were recorded
+            file_records = inputs.describe_files(files, config.input, {})
         runs.check_drift(previous["generate"].get("identity", {}), ident, force)
         carried = inputs.read_schema(files[0].uri, config.storage)
     else:
-        carried = inputs.validate_input(files, config.storage)
+        digests: dict[str, str] = {}
+        carried = inputs.validate_input(files, config.storage, ids_digests=digests)
+        file_records = inputs.describe_files(files, config.input, digests)
     total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
 
     with runs.WriterLock(config, "generate", force=force):
@@ -136,7 +143,8 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
                                      first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
         summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
         runs.write_run_json(config, "generate", {
-            "identity": ident, "input": {"uri": config.input, "num_files": len(files), "num_rows": total_rows},
+            "identity": ident, "input": {"uri": config.input, "num_files": len(files), "num_rows": total_rows,
+                                         "files": file_records},
             "sampling": sampling, "status": "running" if units else "complete"})
         if not units:
             summary.already_complete = True

@@ -33,6 +33,9 @@ class InputFile:
     uri: str
     num_rows: int
     size: int
+    """Bytes of the whole file (not its footer)."""
+    mtime: float | None = None
+    """Last modification (S3: LastModified), seconds since the epoch."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,10 @@ def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]
 
     def footer(u: str) -> InputFile:
         meta = _read_metadata(u, storage_config)
-        return InputFile(uri=u, num_rows=meta.num_rows, size=meta.serialized_size)
+        f, p = storage.resolve(u, storage_config)
+        stat = storage.with_retries(f.get_file_info, p, what=f"stat {u}", storage=storage_config)
+        return InputFile(uri=u, num_rows=meta.num_rows, size=int(stat.size or 0),
+                         mtime=stat.mtime.timestamp() if stat.mtime is not None else None)
 
     with ThreadPoolExecutor(16) as pool:  # footers are tiny; S3 latency dominates, so read them in parallel
         return list(pool.map(footer, uris))
@@ -112,8 +118,10 @@ def read_schema(uri: str, storage_config: StorageConfig) -> pa.Schema:
     return _read_metadata(uri, storage_config).schema.to_arrow_schema()
 
 
-def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.Schema:
-    """Refuse input that cannot be processed at all; return the schema of the carried columns.
+def validate_input(files: list[InputFile], storage_config: StorageConfig,
+                   ids_digests: dict[str, str] | None = None) -> pa.Schema:
+    """Refuse input that cannot be processed at all; return the schema of the carried columns. `ids_digests`,
+    when given, receives each file's ids digest (see `ids_digest`), computed from the ids read here anyway.
 
     Checks: every file has `id` and `prompt` or `messages`, and the same schema; ids are never null and unique
     across the whole input. The id check reads the `id` column of every file (~1 s per 10M integer ids); it runs
@@ -148,6 +156,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig) -> pa.
                 raise InputError(f"input file {f.uri}: {nan} row(s) have a NaN `{schema.ID}`; every row needs an "
                                  "id (floating-point ids are fragile: prefer strings or integers)")
         hashes.append(_hash64(ids.combine_chunks()))
+        if ids_digests is not None:
+            ids_digests[f.uri] = _digest(hashes[-1])
     ordered = np.sort(np.concatenate(hashes))
     suspects = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
     if suspects:
@@ -201,8 +211,64 @@ def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None
         raise InputError(f"input file {uri} could not be read: {_short(e)}") from None
 
 
+def _digest(hashes: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(hashes).tobytes()).hexdigest()[:16]
+
+
+def ids_digest(uri: str, storage_config: StorageConfig) -> str:
+    """A digest of a file's ids in row order: the same rows in the same places, or not."""
+    ids = read_rows(uri, storage_config, columns=[schema.ID]).column(schema.ID).combine_chunks()
+    return _digest(_hash64(ids))
+
+
+def _relative(uri: str, root: str) -> str:
+    return uri[len(root):].lstrip("/") if uri.startswith(root) and uri != root else uri.rsplit("/", 1)[-1]
+
+
+def describe_files(files: list[InputFile], root: str, ids_digests: dict[str, str]) -> list[dict]:
+    """What run.json records of each input file, to tell on resume whether it is still the same file."""
+    return [{"name": _relative(f.uri, root), "num_rows": f.num_rows, "size": f.size, "mtime": f.mtime,
+             "ids": ids_digests.get(f.uri)} for f in files]
+
+
+def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
+                    storage_config: StorageConfig) -> list[dict]:
+    """Refuse to resume over input that changed since the run started: a shard holds rows by position in its file,
+    so a rewritten file (a re-export, a reshuffle: same row count, other ids) would pair old shards with new rows
+    (some ids twice, some never), and an added or removed file shifts every later file's index. Not overridable.
+
+    Size and row count must match; a file with a new modification time (re-uploaded) is re-read and accepted only
+    if its ids are the same, in the same order. Returns the records to store (with the new times)."""
+    now = {_relative(f.uri, root): f for f in files}
+    before = {r["name"]: r for r in recorded}
+    added, removed = sorted(set(now) - set(before)), sorted(set(before) - set(now))
+    if added or removed:
+        what = "; ".join(x for x in (f"added: {', '.join(added[:5])}" if added else "",
+                                     f"removed: {', '.join(removed[:5])}" if removed else "") if x)
+        raise InputError(f"input {root}: its files changed since this run started ({what}). Shards are named after "
+                         "a file's position in the listing, so resuming would pair them with other rows. Restore the "
+                         "input, or write this input to a new --output.")
+    out = []
+    for name, f in now.items():
+        r = before[name]
+        changed = []
+        if r["num_rows"] != f.num_rows:
+            changed.append(f"rows {r['num_rows']:,} → {f.num_rows:,}")
+        if r["size"] != f.size:
+            changed.append(f"size {r['size']:,} → {f.size:,} bytes")
+        if not changed and r.get("mtime") != f.mtime and r.get("ids"):
+            if ids_digest(f.uri, storage_config) != r["ids"]:
+                changed.append("same size, but other ids or another order")
+        if changed:
+            raise InputError(f"input file {f.uri} changed since this run started ({'; '.join(changed)}). Its shards "
+                             "hold rows by position, so resuming would write some ids twice and others never. "
+                             "Restore the file, or write this input to a new --output.")
+        out.append({**r, "mtime": f.mtime})
+    return out
+
+
 def fingerprint(files: list[InputFile]) -> str:
-    """Identity of an input listing (names, row counts, footer sizes): resuming on changed input is refused."""
+    """Identity of an input listing (names, row counts, file sizes). `check_unchanged` compares file by file."""
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.uri.rsplit('/', 1)[-1]}\t{f.num_rows}\t{f.size}\n".encode())

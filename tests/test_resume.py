@@ -22,6 +22,7 @@ from faulty_proxy import FaultyProxy
 from job import storage
 from job.config import load_config
 from job.generate import run_generate
+from job.inputs import InputError
 from job.runs import RunError, WriterLock
 from job.storage import StorageError
 
@@ -126,9 +127,27 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
     with pytest.raises(RunError, match="different settings.*sampling"):
         run_generate(load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
                                  **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}}))
-    forced = run_generate(load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
-                                      **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}}), force=True)
-    assert forced.already_complete
+    config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
+                         **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}})
+    forced = run_generate(config, force=True)
+    assert forced.already_complete  # (and the run's settings are now these)
+
+    # The input re-uploaded unchanged (new modification times, same bytes): its ids are re-read, and it resumes.
+    time.sleep(0.01)
+    write_prompts(tmp_path / "in", rows, num_files=2)
+    assert run_generate(config).already_complete
+    # Rewritten with the same row count and other rows in its places (a reshuffle), or a file added: refused,
+    # --force or not, naming the file. Resuming would have paired the old shards with other rows.
+    write_prompts(tmp_path / "in", rows[:64] + rows[64:][::-1], num_files=2)
+    for force in (False, True):
+        with pytest.raises(InputError, match=r"part-001\.parquet changed since this run started"):
+            run_generate(config, force=force)
+    write_prompts(tmp_path / "in", rows, num_files=2)
+    write_prompts(tmp_path / "extra", simple_prompts(4, prefix="extra"))
+    os.rename(tmp_path / "extra" / "part-000.parquet", tmp_path / "in" / "part-002.parquet")
+    with pytest.raises(InputError, match=r"its files changed since this run started \(added: part-002\.parquet\)"):
+        run_generate(config)
+    assert_exactly_once(str(run), rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
