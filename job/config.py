@@ -68,6 +68,8 @@ class GenerateConfig:
     num_engines: int | None = None
     """Engine actors. None = cluster GPUs // tensor_parallel_size, or 1 on a CPU-only cluster."""
     engine_start_timeout_s: float = 1800
+    """An engine that has not started after this long (load, compile, CUDA graphs) ends the run with an error
+    naming the host; 0 = wait for ever. The 27B on a B200 starts in ~5-7 min."""
     hang_timeout_s: float = 900
     """An engine with requests in flight that finishes none for this long is declared hung and replaced."""
 

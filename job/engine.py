@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import Any
@@ -138,12 +139,8 @@ class CompletionGenerator:
         if problem:
             raise EngineStartError(problem)
         started = time.monotonic()
-        try:
-            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.config.model,
-                                                                    **self.config.engine_kwargs))
-        except Exception as e:  # the config, the model files or the install: the same on every retry
-            raise EngineStartError(f"vLLM could not start an engine for model {self.config.model}: "
-                                   f"{_why_engine_failed(self.config.model, e)}") from None
+        self.engine = self._start_engine(AsyncLLM, AsyncEngineArgs(model=self.config.model,
+                                                                   **self.config.engine_kwargs))
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
         self.max_model_len = self.engine.model_config.max_model_len
         max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
@@ -171,6 +168,29 @@ class CompletionGenerator:
         self.num_in_flight = 0
         self.last_progress = time.monotonic()
         self.watchdog: asyncio.Task | None = None
+
+    def _start_engine(self, AsyncLLM, engine_args):
+        """Start the engine, giving up after `generate.engine_start_timeout_s`: an engine that hangs while starting
+        (a compile that never ends, NCCL waiting for a peer, a bad GPU) otherwise stalls the job without a word.
+        The start runs in a helper thread so this one can stop waiting; the actor then fails, which ends the job
+        once with the message (its processes go with it)."""
+        import concurrent.futures
+
+        timeout = self.config.generate.engine_start_timeout_s
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
+        future = pool.submit(AsyncLLM.from_engine_args, engine_args)
+        pool.shutdown(wait=False)
+        try:
+            return future.result(timeout=timeout if timeout and timeout > 0 else None)
+        except concurrent.futures.TimeoutError:
+            raise EngineStartError(
+                f"the vLLM engine for model {self.config.model} did not start within {timeout:.0f} s "
+                f"(generate.engine_start_timeout_s) on {socket.gethostname()}: a start that hangs (compile, NCCL, a "
+                "bad GPU) or one slower than that limit. Look at the actor's log for where it stopped; raise the "
+                "limit if starts are just slow.") from None
+        except Exception as e:  # the config, the model files or the install: the same on every retry
+            raise EngineStartError(f"vLLM could not start an engine for model {self.config.model}: "
+                                   f"{_why_engine_failed(self.config.model, e)}") from None
 
     # -----------------------------------------------------------------------------------------------------------
     async def __call__(self, batch: dict[str, Any]):

@@ -140,3 +140,23 @@ def test_uint64_ids_above_2_63_are_validated(tmp_path):
                         schema=pa.schema([("id", pa.uint64()), ("prompt", pa.string())]))
     with pytest.raises(InputError, match="duplicate id.*18446744073709551615"):
         validate_input(list_input_files(dup, StorageConfig()), StorageConfig())
+
+
+def test_an_engine_that_does_not_start_in_time_ends_the_run_once_with_the_reason(tmp_path, capsys, tiny_model_dir):
+    """generate.engine_start_timeout_s is honoured: the CPU engine takes ~15-30 s to start here, so a 1 s limit
+    stands in for an engine that hangs while starting (nothing else is faked). One line, exit 2, no shard."""
+    import yaml
+
+    data = yaml.safe_load(open(DEMO_CONFIG))
+    data["generate"]["engine_start_timeout_s"] = 1
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    inp = write_prompts(tmp_path / "in", simple_prompts(4))
+    out = tmp_path / "run"
+    rc, err = run_cli(capsys, "generate", "--config", str(cfg), "--model", tiny_model_dir, "--input", inp,
+                      "--output", str(out), "--no-canary")
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]  # (above it: Ray's log of the actor, forwarded by the local Ray)
+    assert last.startswith("error: the vLLM engine for model") and \
+        "did not start within 1 s (generate.engine_start_timeout_s)" in last, err[-3000:]
+    assert not list(out.glob("completions/*.arrow")), "no shard was written"
