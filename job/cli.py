@@ -26,8 +26,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="run directory, local path or s3:// URI (overrides the config)")
     p.add_argument("--model", help="model directory or name (overrides the config)")
     p.add_argument("--limit", type=int, help="process only the first N rows")
-    p.add_argument("--force", action="store_true",
-                   help="resume even if settings changed, or take over another job's lock")
+    p.add_argument("--allow-drift", action="store_true",
+                   help="resume although the run's settings changed (stage 1: the output mixes two settings; stage 2: "
+                        "every shard's hidden states are redone). Changed input is refused regardless")
+    p.add_argument("--take-lock", action="store_true",
+                   help="take over another job's writer lock: only when that job is dead (its lock goes stale by "
+                        "itself after 2 minutes)")
+    p.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # split: says so
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    if getattr(args, "force", False):
+        raise ConfigError("--force was split in two: --allow-drift (resume although settings changed) and "
+                          "--take-lock (take over a dead job's writer lock); changed input is never resumed")
     if args.command == "generate":
         from job.generate import run_generate
         from job.report import print_summary
 
         config = _config(args)
-        summary = run_generate(config, force=args.force, canary=not args.no_canary)
+        summary = run_generate(config, allow_drift=args.allow_drift, take_lock=args.take_lock,
+                               canary=not args.no_canary)
         print_summary(config, summary)
         return 0
     if args.command == "hidden-states":
@@ -116,7 +125,7 @@ def _dispatch(args) -> int:
                   f"forward by at most {result['max_difference']:.2e} (tolerance {result['tolerance']:.0e}); "
                   "by layer: " + ", ".join(f"{k}: {v:.1e}" for k, v in result["max_difference_by_layer"].items()))
             return 0
-        run_hidden_states(config, force=args.force)
+        run_hidden_states(config, allow_drift=args.allow_drift, take_lock=args.take_lock)
         return 0
     if args.command == "report":
         from job.report import build_report, format_report

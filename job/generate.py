@@ -102,7 +102,11 @@ def check_model(config: RunConfig) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True) -> GenerateSummary:
+def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False,
+                 canary: bool = True) -> GenerateSummary:
+    """Stage 1. `allow_drift`: resume although sampling, template, model or seed changed (the output then mixes
+    two settings). `take_lock`: take over another job's writer lock (only when that job is dead). Changed input is
+    refused either way."""
     started = time.monotonic()
     if not config.input:
         raise ConfigError("no input: pass --input (a folder or s3:// prefix of prompt parquet shards)")
@@ -119,11 +123,11 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
     ident = runs.identity(config, sampling, chat_template, fingerprint)
     if previous and "generate" in previous:
         recorded = previous["generate"].get("input", {}).get("files")
-        if recorded is not None:  # refused whatever --force says: never resume across changed input
+        if recorded is not None:  # refused whatever the flags say: never resume across changed input
             file_records = inputs.check_unchanged(recorded, files, config.input, config.storage)
         else:  # a run directory from before files were recorded
             file_records = inputs.describe_files(files, config.input, {})
-        runs.check_drift(previous["generate"].get("identity", {}), ident, force)
+        runs.check_drift(previous["generate"].get("identity", {}), ident, allow_drift)
         carried = inputs.read_schema(files[0].uri, config.storage)
     else:
         digests: dict[str, str] = {}
@@ -131,7 +135,7 @@ def run_generate(config: RunConfig, *, force: bool = False, canary: bool = True)
         file_records = inputs.describe_files(files, config.input, digests)
     total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
 
-    with runs.WriterLock(config, "generate", force=force):
+    with runs.WriterLock(config, "generate", take_over=take_lock):
         # 2. What is left: the output listing minus the wanted row ranges.
         completions = storage.join(config.output, schema.COMPLETIONS_DIR)
         storage.remove_temp_files(completions)  # what a killed writer left; we hold the lock, nobody writes now

@@ -125,6 +125,15 @@ def plan_units(config: RunConfig) -> list[Unit]:
     return units
 
 
+def _remove_outputs(config: RunConfig, units: list[Unit]) -> None:
+    """Delete every unit's parts and markers: markers first, so a crash in between leaves units not-done."""
+    out = _out_dir(config)
+    for name in sorted((n for u in units for n in u.existing), key=lambda n: not n.startswith(DONE_DIR)):
+        storage.delete(storage.join(out, name), config.storage)
+    for unit in units:
+        unit.existing = []
+
+
 def _take_covering_marker(unit: Unit) -> None:
     """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
     done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
@@ -472,7 +481,7 @@ def _unwrap(e: BaseException) -> BaseException | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
+def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False) -> dict:
     """Extract the hidden states of every kept completion row into `<output>/hidden_states/*.arrow`.
 
     Returns a summary (rows, tokens, tokens/s, bytes written, shard URIs, report path); the same goes to
@@ -493,11 +502,17 @@ def run_hidden_states(config: RunConfig, *, force: bool = False) -> dict:
         print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
               flush=True)
     ident = _identity(config, layer_ids)
+    changed = {}
     if STAGE in previous:
-        runs.check_drift(previous[STAGE].get("identity", {}), ident, force)
+        changed = runs.check_drift(previous[STAGE].get("identity", {}), ident, allow_drift,
+                                   consequence="mix features made two ways in one output")
 
-    with runs.WriterLock(config, STAGE, force=force):
+    with runs.WriterLock(config, STAGE, take_over=take_lock):
         storage.remove_temp_files(storage.join(config.output, schema.HIDDEN_STATES_DIR))  # killed writers' leftovers
+        if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
+            print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
+                  "shard's hidden states with the new settings", flush=True)
+            _remove_outputs(config, units)
         pending = [u for u in units if u.marker_name not in u.existing]
         estimate = estimate_storage(config, units)
         print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "

@@ -96,12 +96,14 @@ def identity(config: RunConfig, sampling: dict, chat_template: str | None, input
     })
 
 
-def check_drift(previous: dict, current: dict, force: bool) -> None:
+def check_drift(previous: dict, current: dict, allow_drift: bool, consequence: str = "mix two datasets") -> dict:
+    """The settings that changed since the run started, as {key: (was, now)}; refused unless `allow_drift`."""
     changed = {k: (previous.get(k), v) for k, v in current.items() if previous.get(k) != v}
-    if changed and not force:
+    if changed and not allow_drift:
         lines = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise RunError(f"this output already holds a run made with different settings ({lines}). Resuming would mix "
-                       "two datasets. Use a new --output, restore the settings, or pass --force to resume anyway.")
+        raise RunError(f"this output already holds a run made with different settings ({lines}). Resuming would "
+                       f"{consequence}. Use a new --output, restore the settings, or pass --allow-drift.")
+    return changed
 
 
 def write_run_json(config: RunConfig, stage_key: str, stage_info: dict) -> None:
@@ -150,11 +152,11 @@ class WriterLock:
     docs/OPERATIONS.md.)
     """
 
-    def __init__(self, config: RunConfig, stage: str, force: bool = False):
+    def __init__(self, config: RunConfig, stage: str, take_over: bool = False):
         self.uri = storage.join(config.output, LOCK_NAME)
         self.storage = config.storage
         self.stage = stage
-        self.force = force
+        self.take_over = take_over
         self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,13 +165,13 @@ class WriterLock:
         return {"owner": self.token, "stage": self.stage, "heartbeat": time.time()}
 
     def __enter__(self):
-        if storage.exists(self.uri, self.storage) and not self.force:
+        if storage.exists(self.uri, self.storage) and not self.take_over:
             held = storage.read_json(self.uri, self.storage)
             age = time.time() - float(held.get("heartbeat", 0))
             if age < LOCK_STALE_S and not _owner_is_dead(str(held.get("owner", ""))):
                 raise RunError(f"another job is writing to this output right now ({held.get('stage')} by "
                                f"{held.get('owner')}, heartbeat {age:.0f} s ago). Wait for it to finish, or if it is "
-                               f"dead, rerun in {LOCK_STALE_S - age:.0f} s (its lock goes stale) or pass --force.")
+                               f"dead, rerun in {LOCK_STALE_S - age:.0f} s (its lock goes stale) or pass --take-lock.")
         storage.write_json(self.uri, self._body(), self.storage)
         self._thread = threading.Thread(target=self._beat, daemon=True, name="writer-lock")
         self._thread.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 
@@ -294,8 +295,18 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     assert {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")} == files
     assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
     config.limit = None
-    with pytest.raises(RunError, match="layer_ids"):
+    with pytest.raises(RunError, match="layer_ids.*--allow-drift"):
         run_hidden_states(hs_config(dense_dir, run, layer_ids=[0, 2]))
+
+    # --allow-drift to smaller parts: every part is redone with the new settings; none of the old is kept as done.
+    started = time.time()
+    summary = run_hidden_states(hs_config(dense_dir, run, rows_per_shard=2), allow_drift=True)
+    assert summary["num_tokens_extracted"] > 0
+    ids = [r["id"] for r in load(run)]
+    assert sorted(ids) == sorted(kept(rows)) and len(ids) == len(set(ids))
+    arrow = [n for n in part_files(run) if n.endswith(".arrow")]
+    assert all(os.path.getmtime(os.path.join(hs_dir, n)) >= started for n in arrow)
+    assert all(storage.read_shard(os.path.join(hs_dir, n)).num_rows <= 2 for n in arrow)
 
 
 def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(dense_dir, vocab_size, tmp_path,

@@ -123,13 +123,13 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
     for name, mtime in done_before.items():
         assert (run / "completions" / name).stat().st_mtime_ns == mtime, "a committed shard was rewritten"
 
-    # Resuming with other sampling settings is refused, unless forced.
+    # Resuming with other sampling settings is refused, unless --allow-drift.
     with pytest.raises(RunError, match="different settings.*sampling"):
         run_generate(load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
                                  **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}}))
     config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run),
                          **{"generate.sampling": {"max_tokens": 512, "temperature": 0.5}})
-    forced = run_generate(config, force=True)
+    forced = run_generate(config, allow_drift=True)
     assert forced.already_complete  # (and the run's settings are now these)
 
     # The input re-uploaded unchanged (new modification times, same bytes): its ids are re-read, and it resumes.
@@ -137,11 +137,11 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
     write_prompts(tmp_path / "in", rows, num_files=2)
     assert run_generate(config).already_complete
     # Rewritten with the same row count and other rows in its places (a reshuffle), or a file added: refused,
-    # --force or not, naming the file. Resuming would have paired the old shards with other rows.
+    # --allow-drift or not, naming the file. Resuming would have paired the old shards with other rows.
     write_prompts(tmp_path / "in", rows[:64] + rows[64:][::-1], num_files=2)
-    for force in (False, True):
+    for allow in (False, True):
         with pytest.raises(InputError, match=r"part-001\.parquet changed since this run started"):
-            run_generate(config, force=force)
+            run_generate(config, allow_drift=allow, take_lock=allow)
     write_prompts(tmp_path / "in", rows, num_files=2)
     write_prompts(tmp_path / "extra", simple_prompts(4, prefix="extra"))
     os.rename(tmp_path / "extra" / "part-000.parquet", tmp_path / "in" / "part-002.parquet")
@@ -267,5 +267,10 @@ def test_second_writer_is_refused(tmp_path, make_config):
     inp = write_prompts(tmp_path / "in", simple_prompts(4))
     config = make_config(input=inp, output=str(tmp_path / "run"))
     with WriterLock(config, "generate"):
-        with pytest.raises(RunError, match="another job is writing to this output"):
+        with pytest.raises(RunError, match="another job is writing to this output.*--take-lock"):
             run_generate(config)
+        with WriterLock(config, "generate", take_over=True):  # --take-lock: for a lock whose job is dead
+            pass
+    from job.cli import main
+
+    assert main(["generate", "--config", DEMO_CONFIG, "--input", inp, "--output", config.output, "--force"]) == 2

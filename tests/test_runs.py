@@ -37,5 +37,5 @@ def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
     assert run["hidden_states"]["provenance"]["config"]["model"] == "other-model"
     # The identity is stored redacted and compared redacted: resuming the same config is no drift.
     runs.check_drift(run["generate"]["identity"], runs.identity(config, {"max_tokens": 64}, None, "f" * 16),
-                     force=False)
+                     allow_drift=False)
     assert storage.exists(runs.run_json_uri(config.output))
