@@ -105,3 +105,37 @@ def test_production_config_loads_and_vllm_knows_every_key():
     assert set(ek) <= engine_fields, set(ek) - engine_fields
     assert set(s) <= set(inspect.signature(SamplingParams).parameters)
     assert ek["speculative_config"]["method"] in get_args(MTPModelTypes)
+
+
+def test_iam_policies_in_the_runbook_are_least_privilege():
+    """The policies docs/OPERATIONS.md creates parse as JSON and grant only what the job uses: writes under runs/
+    alone (models/ and prompts/ read-only), no S3 or EC2 full access, instance stop/terminate only for this
+    cluster's tagged instances."""
+    import json
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "OPERATIONS.md")).read()
+    docs = dict(re.findall(r"cat > /tmp/([\w-]+)\.json <<'?JSON'?\n(.*?)\nJSON\n", text, flags=re.S))
+    assert set(docs) == {"ec2-trust", "datagen-s3", "datagen-head"}, sorted(docs)
+    policies = {k: json.loads(v.replace("$BUCKET", "b").replace("$ACCOUNT", "123")) for k, v in docs.items()}
+    assert "attach-role-policy" not in text and "s3:*" not in text and '"ec2:*"' not in text
+
+    grants = [(a, r) for st in policies["datagen-s3"]["Statement"] for a in _list(st["Action"])
+              for r in _list(st["Resource"])]
+    writes = {r for a, r in grants if a in ("s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload")}
+    assert writes == {"arn:aws:s3:::b/runs/*"}
+    assert {r for a, r in grants if a == "s3:GetObject"} == {f"arn:aws:s3:::b/{p}/*" for p in ("models", "prompts",
+                                                                                              "runs")}
+    head = policies["datagen-head"]["Statement"]
+    ends = [st for st in head if "ec2:TerminateInstances" in _list(st["Action"])]
+    assert ends and all(st["Condition"]["StringEquals"]["ec2:ResourceTag/ray-cluster-name"] == "drafter-datagen"
+                        for st in ends)
+    with open(CLUSTER_YAML) as f:
+        assert yaml.safe_load(f)["cluster_name"] == "drafter-datagen"  # the tag the terminate condition names
+    for role, policy in (("drafter-datagen-worker", "datagen-s3"), ("ray-autoscaler-v1", "datagen-s3"),
+                         ("ray-autoscaler-v1", "datagen-head")):
+        assert re.search(rf"--role-name {role} --policy-name \S+ --policy-document file:///tmp/{policy}\.json", text)
+
+
+def _list(x):
+    return x if isinstance(x, list) else [x]

@@ -3,7 +3,10 @@ the attempt count. The S3 behaviour end to end (a faulty proxy in front of moto)
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from faulty_proxy import FaultyProxy
 
 from job import storage
 from job.storage import StorageConfig, StorageError
@@ -41,3 +44,23 @@ def test_zero_retries_still_tries_once_and_counts_attempts():
     with pytest.raises(StorageError, match="still failing after 3 attempts"):
         storage.with_retries(flaky, what="x", storage=StorageConfig(num_retries=3, retry_base_s=0.001))
     assert len(calls) == 3
+
+
+def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket):
+    """A 24 MB shard is a multipart upload; its second part fails every time (a fault injected by a proxy in front
+    of the real moto server). Nothing may be committed under the shard's name: resume trusts names."""
+    import boto3
+
+    data = os.urandom(24 * 1024 * 1024)
+    port = int(s3_server.rsplit(":", 1)[1])
+    with FaultyProxy(port, match="partNumber=2", fail_always=True) as proxy:
+        config = StorageConfig(endpoint_url=proxy.url, num_retries=2, retry_base_s=0.01)
+        with pytest.raises(StorageError, match="still failing after 2 attempts"):
+            storage.write_bytes_atomic(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow", data, config)
+        assert proxy.num_faults >= 2
+    assert not storage.exists(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow")
+    # The same write without the fault commits the whole object, size checked.
+    storage.write_bytes_atomic(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow", data)
+    head = boto3.client("s3", endpoint_url=s3_server).head_object(Bucket=s3_bucket,
+                                                                  Key="run/completions/f00000-r0-16.arrow")
+    assert head["ContentLength"] == len(data)
