@@ -57,7 +57,7 @@ class WorkUnit:
         return asdict(self)
 
 
-_SHARD_RE = re.compile(r"f(\d{5})-r(\d{10})-(\d{10})\.arrow$")
+_SHARD_RE = re.compile(r"(?:^|/)f(\d{5,})-r(\d{10})-(\d{10})\.arrow$")  # f00000…f99999, then f100000…
 
 
 def parse_shard_name(name: str) -> tuple[int, int, int] | None:

@@ -14,13 +14,14 @@ from typing import Any
 from job import schema
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 
 class RowError(ValueError):
     """This row cannot be generated; the message goes to the row's `error` column."""
 
 
-def row_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     """Messages of an input row: `messages` when present, else `prompt` as one user message."""
     if schema.MESSAGES in row and row[schema.MESSAGES] is not None:
         messages = row[schema.MESSAGES]
@@ -37,9 +38,16 @@ def row_messages(row: dict[str, Any]) -> list[dict[str, str]]:
                 raise RowError(f"malformed messages: message {i} is not a {{role, content}} mapping")
             if m["role"] not in ROLES:
                 raise RowError(f"unknown role {m['role']!r} in message {i} (known: {', '.join(ROLES)})")
-            if not isinstance(m["content"], str):
+            content = m["content"]
+            if content is None and m.get("tool_calls"):  # an assistant turn that only calls tools (OpenAI form)
+                content = ""
+            if not isinstance(content, str):
                 raise RowError(f"malformed messages: message {i} content is not a string")
-            out.append({"role": m["role"], "content": m["content"]})
+            message = {"role": m["role"], "content": content}
+            # Fields chat templates read besides role and content. A parquet list of structs gives every message
+            # every field, absent ones as None: only the present ones are passed on.
+            message.update({k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None})
+            out.append(message)
         if not any(m["content"].strip() for m in out):
             raise RowError("empty prompt: every message content is empty")
         return out
