@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import DEMO_CONFIG
 
 from job import runs, storage
@@ -39,3 +40,27 @@ def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
     runs.check_drift(run["generate"]["identity"], runs.identity(config, {"max_tokens": 64}, None, "f" * 16),
                      allow_drift=False)
     assert storage.exists(runs.run_json_uri(config.output))
+
+
+def test_identity_covers_the_model_files_output_engine_arguments_and_vllm(tmp_path, tiny_model_dir):
+    """A model re-staged under the same path (other weights, another chat template), an engine argument that
+    changes the outputs (dtype), or another vLLM: drift. An argument that changes only speed: no drift."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    base = load_config(DEMO_CONFIG, model=str(model))
+    ident = runs.identity(base, {"max_tokens": 8}, None, "f")
+    assert ident["model_files"] and ident["vllm"]
+
+    faster = load_config(DEMO_CONFIG, model=str(model), engine_kwargs={**base.engine_kwargs, "max_num_seqs": 3})
+    assert runs.check_drift(ident, runs.identity(faster, {"max_tokens": 8}, None, "f"), allow_drift=False) == {}
+
+    other_dtype = load_config(DEMO_CONFIG, model=str(model), engine_kwargs={**base.engine_kwargs, "dtype": "float16"})
+    with pytest.raises(runs.RunError, match="engine_kwargs"):
+        runs.check_drift(ident, runs.identity(other_dtype, {"max_tokens": 8}, None, "f"), allow_drift=False)
+
+    (model / "chat_template.jinja").write_text((model / "chat_template.jinja").read_text() + "\n")
+    with pytest.raises(runs.RunError, match="model_files"):
+        runs.check_drift(ident, runs.identity(base, {"max_tokens": 8}, None, "f"), allow_drift=False)
+    assert runs.check_drift({**ident, "vllm": "0.1.0"}, ident, allow_drift=True) == {"vllm": ("0.1.0", ident["vllm"])}
