@@ -118,6 +118,9 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
 
     # 1. Input: list files and read their footers (cheap), validate ids once per run.
     files = inputs.list_input_files(config.input, config.storage)
+    note = inputs.row_group_note(files, config.generate.rows_per_shard)
+    if note:
+        print(note, flush=True)
     previous = runs.read_run_json(config.output, config.storage)
     fingerprint = inputs.fingerprint(files)
     ident = runs.identity(config, sampling, chat_template, fingerprint)

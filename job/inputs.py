@@ -36,6 +36,7 @@ class InputFile:
     """Bytes of the whole file (not its footer)."""
     mtime: float | None = None
     """Last modification (S3: LastModified), seconds since the epoch."""
+    max_row_group_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,25 @@ def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]
         f, p = storage.resolve(u, storage_config)
         stat = storage.with_retries(f.get_file_info, p, what=f"stat {u}", storage=storage_config)
         return InputFile(uri=u, num_rows=meta.num_rows, size=int(stat.size or 0),
-                         mtime=stat.mtime.timestamp() if stat.mtime is not None else None)
+                         mtime=stat.mtime.timestamp() if stat.mtime is not None else None,
+                         max_row_group_rows=max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)),
+                                                default=0))
 
     with ThreadPoolExecutor(16) as pool:  # footers are tiny; S3 latency dominates, so read them in parallel
         return list(pool.map(footer, uris))
+
+
+def row_group_note(files: list[InputFile], rows_per_shard: int) -> str | None:
+    """A note when input row groups dwarf the work units: each unit then streams through its whole row group
+    (time and S3 reads, not memory: read_rows keeps only the unit's rows)."""
+    big = [f for f in files if f.max_row_group_rows > 16 * rows_per_shard]
+    if not big:
+        return None
+    worst = max(big, key=lambda f: f.max_row_group_rows)
+    return (f"note: {len(big)} input file(s) have row groups far larger than rows_per_shard={rows_per_shard} (e.g. "
+            f"{worst.uri}: {worst.max_row_group_rows:,} rows in one group), so every unit reads through its whole "
+            f"row group. Rewriting them with row_group_size of about {rows_per_shard * 4:,} reads only what each "
+            "unit needs.")
 
 
 def _read_metadata(uri: str, storage_config: StorageConfig) -> pq.FileMetaData:
@@ -202,8 +218,25 @@ def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None
                 offset += n
             if not groups:
                 return pf.schema_arrow.empty_table().select(columns) if columns else pf.schema_arrow.empty_table()
-            table = pf.read_row_groups(groups, columns=columns)
-            return table.slice(start - first_offset, end - start)
+            group_rows = sum(pf.metadata.row_group(g).num_rows for g in groups)
+            if group_rows <= 4 * (end - start) + 1024:  # groups about the unit's size: read them whole
+                table = pf.read_row_groups(groups, columns=columns).slice(start - first_offset, end - start)
+            else:
+                # Row groups much larger than the unit (one group per file is what pq.write_table and pandas write
+                # by default): stream them in small batches, keep only the rows wanted, stop after the last one.
+                # Memory stays at about one batch instead of the whole group, for as long as the unit lives.
+                kept, pos = [], first_offset
+                for batch in pf.iter_batches(batch_size=max(1024, min(end - start, 65536)), row_groups=groups,
+                                             columns=columns, use_threads=False):
+                    a, b = max(start, pos), min(end, pos + batch.num_rows)
+                    if b > a:
+                        kept.append(batch.slice(a - pos, b - a))
+                    pos += batch.num_rows
+                    if pos >= end:
+                        break
+                table = pa.Table.from_batches(kept, schema=kept[0].schema)
+            # A copy of just these rows: a slice would keep the whole decoded group's buffers alive.
+            return table.take(pa.array(np.arange(table.num_rows)))
 
     try:
         return storage.with_retries(_read, what=f"read {uri}", storage=storage_config)

@@ -39,3 +39,43 @@ def test_message_fields_reach_the_chat_template(tokenizer):
                             chat_template_kwargs={})
     text = tokenizer.decode(ids)
     assert "[ann]" in text and "weather" in text and "Oslo" in text and "<for c1>" in text and "LEAK" not in text
+
+
+def test_a_unit_of_a_one_row_group_file_holds_only_its_rows(tmp_path):
+    """One row group per file (pq.write_table's and pandas' default for small files): a 128-row unit used to hold
+    the whole decoded group (here ~20 MB for 50 KB of rows) for its lifetime. It holds its rows, equal to them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from job.inputs import read_rows
+    from job.storage import StorageConfig
+
+    n = 50_000
+    table = pa.table({"id": [f"id-{i:06d}" for i in range(n)], "prompt": [f"{i:06d} " + "x" * 400 for i in range(n)]})
+    path = str(tmp_path / "one-group.parquet")
+    pq.write_table(table, path, row_group_size=n)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
+    rows = read_rows(path, StorageConfig(), start=31_000, stop=31_128)
+    assert rows.equals(table.slice(31_000, 128))
+    assert rows.get_total_buffer_size() < 200_000, rows.get_total_buffer_size()  # 128 × ~420 B, not ~20 MB
+    # Row groups about the unit's size take the direct path, also equal.
+    pq.write_table(table, str(tmp_path / "small-groups.parquet"), row_group_size=128)
+    assert read_rows(str(tmp_path / "small-groups.parquet"), StorageConfig(), start=300, stop=428).equals(
+        table.slice(300, 128))
+    assert read_rows(path, StorageConfig(), columns=["id"], start=n - 5).column("id").to_pylist() == \
+        [f"id-{i:06d}" for i in range(n - 5, n)]
+
+
+def test_row_groups_that_dwarf_the_units_are_noted(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from job.inputs import list_input_files, row_group_note
+    from job.storage import StorageConfig
+
+    table = pa.table({"id": list(range(5000)), "prompt": ["p"] * 5000})
+    pq.write_table(table, str(tmp_path / "a.parquet"), row_group_size=5000)
+    files = list_input_files(str(tmp_path), StorageConfig())
+    assert files[0].max_row_group_rows == 5000 and files[0].size == (tmp_path / "a.parquet").stat().st_size
+    assert "5,000 rows in one group" in row_group_note(files, rows_per_shard=64)
+    assert row_group_note(files, rows_per_shard=512) is None
