@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from job import inputs, prompts, quality, schema, storage
 from job.config import RunConfig, from_dict
@@ -120,6 +121,26 @@ def is_gpu_platform() -> bool:
     return current_platform.is_cuda_alike()
 
 
+def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The unit's rows as dicts, and {row index: error} for rows whose strings are not valid UTF-8 (parquet stores
+    such bytes without complaint; decoding them fails). One bad row must not fail its unit on every rerun."""
+    try:
+        return table.to_pylist(), {}
+    except UnicodeDecodeError:
+        pass
+    rows, bad = [], {}
+    ids = table.column(schema.ID).cast(pa.binary()) if pa.types.is_string(table.schema.field(schema.ID).type) \
+        else table.column(schema.ID)
+    for i in range(table.num_rows):
+        try:
+            rows.append(table.slice(i, 1).to_pylist()[0])
+        except UnicodeDecodeError as e:
+            row_id = ids[i].as_py()
+            rows.append({schema.ID: row_id.decode(errors="replace") if isinstance(row_id, bytes) else row_id})
+            bad[i] = f"input is not valid UTF-8 ({e.reason}: byte {e.object[e.start:e.start + 1]!r})"
+    return rows, bad
+
+
 class CompletionGenerator:
     def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None):
         from transformers import AutoTokenizer
@@ -206,8 +227,13 @@ class CompletionGenerator:
         started = time.monotonic()
         table = await asyncio.to_thread(inputs.read_rows, unit.file_uri, self.config.storage,
                                         None, unit.start, unit.stop)
-        rows = table.to_pylist()
-        results = await asyncio.gather(*(self._run_row(row) for row in rows))
+        rows, undecodable = _decode_rows(table)
+        results = await asyncio.gather(*(self._run_row(row) if i not in undecodable else
+                                         self._error_row(row, undecodable[i]) for i, row in enumerate(rows)))
+        if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard
+            mask = pa.array([i in undecodable for i in range(table.num_rows)])
+            table = pa.table({name: pc.if_else(mask, pa.nulls(table.num_rows, col.type), col) if name != schema.ID
+                              else col for name, col in zip(table.column_names, table.columns)})
         out = self._to_table(table, results)
         uri = storage.join(self.config.output, schema.COMPLETIONS_DIR, unit.shard_name)
         await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
@@ -220,6 +246,11 @@ class CompletionGenerator:
             **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
             "seconds": [time.monotonic() - started],
         }
+
+    async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
+        result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
+        result.update({schema.ID: str(row[schema.ID]), schema.ERROR: error})
+        return result
 
     async def _run_row(self, row: dict[str, Any]) -> dict[str, Any]:
         gen = self.config.generate
@@ -244,7 +275,13 @@ class CompletionGenerator:
         seed = prompts.row_seed(gen.seed, row_id)
         params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))
         async with self.gate:
-            return await self._generate(result, prompt_ids, params, seed)
+            try:
+                return await self._generate(result, prompt_ids, params, seed)
+            except Exception as e:  # one request vLLM refuses, or output we cannot split: this row, not the job
+                log.warning("row %s failed: %s: %s", row_id, type(e).__name__, e)
+                failed: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
+                failed.update({schema.ID: row_id, schema.ERROR: f"generation failed: {type(e).__name__}: {e}"[:500]})
+                return failed
 
     async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt

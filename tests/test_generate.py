@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -26,7 +27,23 @@ BAD_ROWS = {
     1003: ({"messages": [{"role": "wizard", "content": "hello"}]}, "unknown role"),
     1004: ({"messages": [{"role": "user", "content": None}]}, "malformed messages"),
     1005: ({"prompt": "word " * 3000}, "prompt too long"),
+    1006: ({"prompt": "INVALID-UTF8"}, "not valid UTF-8"),  # written as bytes 0xff 0xfe: see write_mixed_input
 }
+
+
+def write_mixed_input(directory, rows: list[dict]) -> str:
+    """The rows as two parquet files; the prompt "INVALID-UTF8" becomes bytes that are not UTF-8 (parquet accepts
+    them in a string column; decoding them used to fail the whole unit, on every rerun)."""
+    import pyarrow.parquet as pq
+
+    write_prompts(directory, rows, num_files=2, schema=INPUT_SCHEMA)
+    for path in sorted(Path(directory).glob("*.parquet")):
+        table = pq.read_table(path)
+        raw = [None if p is None else b"bad \xff\xfe prompt" if p == "INVALID-UTF8" else p.encode()
+               for p in table.column("prompt").to_pylist()]
+        prompt = pa.array(raw, pa.binary()).view(pa.string())
+        pq.write_table(table.set_column(table.schema.get_field_index("prompt"), "prompt", prompt), path)
+    return str(directory)
 
 
 def mixed_input_rows() -> list[dict]:
@@ -70,7 +87,7 @@ def check_completions(table: pa.Table, tokenizer, input_rows: list[dict]):
 
 def test_local_end_to_end_with_bad_rows_then_rerun_does_nothing(tmp_path, make_config, tokenizer):
     rows = mixed_input_rows()
-    inp = write_prompts(tmp_path / "in", rows, num_files=2, schema=INPUT_SCHEMA)
+    inp = write_mixed_input(tmp_path / "in", rows)
     config = make_config(input=inp, output=str(tmp_path / "run"), **{"generate.rows_per_shard": 16})
     summary = run_generate(config)
     assert summary.num_rows == len(rows)
@@ -81,6 +98,7 @@ def test_local_end_to_end_with_bad_rows_then_rerun_does_nothing(tmp_path, make_c
     assert set(errors) == {str(i) for i in BAD_ROWS}, "exactly the bad rows are error rows"
     for i, (_, words) in BAD_ROWS.items():
         assert words in errors[str(i)]
+    assert next(r for r in table.to_pylist() if r["id"] == "1006")["prompt"] is None, "not carried as bad bytes"
     good = [r for r in table.to_pylist() if r["error"] is None]
     assert len(good) == 41 and sum(r["num_output_tokens"] for r in good) > 41 * 5
     # Healthy model: most completions close their think block.
@@ -141,7 +159,7 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 ], ids=["prefix-caching", "mtp"])
 def test_hybrid_end_to_end(tmp_path, make_config, tokenizer, tiny_hybrid_dir, engine):
     rows = mixed_input_rows()
-    inp = write_prompts(tmp_path / "in", rows, num_files=2, schema=INPUT_SCHEMA)
+    inp = write_mixed_input(tmp_path / "in", rows)
     mtp = "speculative_config" in engine
     # Without top_k a tiny model wanders off the format (word salad, think blocks left open): no canary then.
     sampling = {"max_tokens": 128, "top_k": -1} if mtp else {"max_tokens": 512}
