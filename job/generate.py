@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import inputs, progress, quality, report, runs, schema, storage
+from job import inputs, lock, progress, quality, report, runs, schema, storage
 from job.config import ConfigError, RunConfig
 
 log = logging.getLogger("job.generate")
@@ -138,7 +138,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         file_records = inputs.describe_files(files, config.input, digests)
     total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
 
-    with runs.WriterLock(config, "generate", take_over=take_lock):
+    with lock.WriterLock(config, "generate", take_over=take_lock):
         # 2. What is left: the output listing minus the wanted row ranges.
         completions = storage.join(config.output, schema.COMPLETIONS_DIR)
         storage.remove_temp_files(completions)  # what a killed writer left; we hold the lock, nobody writes now

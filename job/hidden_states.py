@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow.ipc as ipc
 
-from job import runs, schema, storage
+from job import lock, runs, schema, storage
 from job.config import ConfigError, RunConfig
 from job.exactness import compare, pick_samples, reference_features, split_features, tolerance_for, verdict
 from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenStateCheckError, hidden_states_schema,
@@ -507,7 +507,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         changed = runs.check_drift(previous[STAGE].get("identity", {}), ident, allow_drift,
                                    consequence="mix features made two ways in one output")
 
-    with runs.WriterLock(config, STAGE, take_over=take_lock):
+    with lock.WriterLock(config, STAGE, take_over=take_lock):
         storage.remove_temp_files(storage.join(config.output, schema.HIDDEN_STATES_DIR))  # killed writers' leftovers
         if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
             print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "

@@ -1,5 +1,5 @@
-"""The run directory: run.json (resolved config, versions, git sha, input identity), its drift check, and the
-writer lock that keeps two jobs from writing one output at the same time.
+"""The run directory: run.json (resolved config, versions, git sha, input identity) and its drift check. (The
+writer lock that keeps two jobs from writing one output at the same time is job/lock.py.)
 
 run.json holds no credentials: S3 credentials come from the environment or the instance profile, and everything
 written to run.json passes `redact` first: any value under a key named like a secret (`hf_token`, `api_key`,
@@ -13,18 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import socket
 import subprocess
-import threading
 import time
 from importlib import metadata
 
 from job import schema, storage
 from job.config import RunConfig, to_dict
-
-LOCK_NAME = "lock.json"
-LOCK_HEARTBEAT_S = 30.0
-LOCK_STALE_S = 120.0  # a lock whose heartbeat is older than this belongs to a dead driver
 
 # Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.` and camelCase):
 # `hf_token` and `apiKey` are secrets, `max_tokens` and `num_speculative_tokens` are not.
@@ -168,70 +162,3 @@ def read_run_json(output: str, storage_config) -> dict | None:
     storage.check_reachable(output, storage_config)
     uri = run_json_uri(output)
     return storage.read_json(uri, storage_config) if storage.exists(uri, storage_config) else None
-
-
-def _owner_is_dead(owner: str) -> bool:
-    """True when the lock was taken on this host by a process that no longer exists (a killed driver rerun on
-    the same machine resumes at once instead of waiting for the lock to go stale)."""
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-class WriterLock:
-    """A heartbeat lock object at `<output>/lock.json`.
-
-    S3 has no portable create-if-absent, so this is a lease, not a mutex: a second job that starts while the
-    first one's heartbeat is fresh refuses with a clear message; a lock left by a killed driver goes stale after
-    LOCK_STALE_S and is taken over. (Two jobs started within the same second can both pass; documented in
-    docs/OPERATIONS.md.)
-    """
-
-    def __init__(self, config: RunConfig, stage: str, take_over: bool = False):
-        self.uri = storage.join(config.output, LOCK_NAME)
-        self.storage = config.storage
-        self.stage = stage
-        self.take_over = take_over
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _body(self) -> dict:
-        return {"owner": self.token, "stage": self.stage, "heartbeat": time.time()}
-
-    def __enter__(self):
-        if storage.exists(self.uri, self.storage) and not self.take_over:
-            held = storage.read_json(self.uri, self.storage)
-            age = time.time() - float(held.get("heartbeat", 0))
-            if age < LOCK_STALE_S and not _owner_is_dead(str(held.get("owner", ""))):
-                raise RunError(f"another job is writing to this output right now ({held.get('stage')} by "
-                               f"{held.get('owner')}, heartbeat {age:.0f} s ago). Wait for it to finish, or if it is "
-                               f"dead, rerun in {LOCK_STALE_S - age:.0f} s (its lock goes stale) or pass --take-lock.")
-        storage.write_json(self.uri, self._body(), self.storage)
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="writer-lock")
-        self._thread.start()
-        return self
-
-    def _beat(self):
-        while not self._stop.wait(LOCK_HEARTBEAT_S):
-            try:
-                storage.write_json(self.uri, self._body(), self.storage)
-            except Exception:  # a missed heartbeat is harmless; the next one retries
-                pass
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=5)
-        try:
-            storage.delete(self.uri, self.storage)
-        except OSError:
-            pass

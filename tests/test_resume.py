@@ -23,7 +23,8 @@ from job import storage
 from job.config import load_config
 from job.generate import run_generate
 from job.inputs import InputError
-from job.runs import RunError, WriterLock
+from job.lock import WriterLock
+from job.runs import RunError
 from job.storage import StorageError
 
 
