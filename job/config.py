@@ -67,6 +67,10 @@ class GenerateConfig:
     plus a full queue behind it. Rows past it wait at the gate in unit order, so older units finish first."""
     num_engines: int | None = None
     """Engine actors. None = cluster GPUs // tensor_parallel_size, or 1 on a CPU-only cluster."""
+    max_unit_attempts: int = 3
+    """A work unit whose engine actor dies or hangs this many times in one job (an out-of-memory row, a prompt that
+    crashes the engine, a hang) is written as error rows ("unit failed N times") instead of being retried for
+    ever; the rest of the run goes on. 0 = retry for ever. Delete such a shard to retry it in a later job."""
     engine_start_timeout_s: float = 1800
     """An engine that has not started after this long (load, compile, CUDA graphs) ends the run with an error
     naming the host; 0 = wait for ever. The 27B on a B200 starts in ~5-7 min."""

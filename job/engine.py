@@ -121,6 +121,10 @@ def is_gpu_platform() -> bool:
     return current_platform.is_cuda_alike()
 
 
+# Per-unit attempt counts of the running job: <output>/attempts/<shard stem>.json, deleted when the shard is written.
+ATTEMPTS_DIR = "attempts"
+
+
 def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """The unit's rows as dicts, and {row index: error} for rows whose strings are not valid UTF-8 (parquet stores
     such bytes without complaint; decoding them fails). One bad row must not fail its unit on every rerun."""
@@ -142,7 +146,7 @@ def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]
 
 
 class CompletionGenerator:
-    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None):
+    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = ""):
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -153,6 +157,7 @@ class CompletionGenerator:
         self.carried_schema = pa.ipc.read_schema(pa.py_buffer(carried_schema_bytes))
         self.out_schema = schema.completion_schema(self.carried_schema)
         self.chat_template = chat_template
+        self.job_token = job_token  # attempts of a unit are counted per job: a new job retries every unit afresh
         gen = self.config.generate
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
@@ -228,6 +233,14 @@ class CompletionGenerator:
         table = await asyncio.to_thread(inputs.read_rows, unit.file_uri, self.config.storage,
                                         None, unit.start, unit.stop)
         rows, undecodable = _decode_rows(table)
+        attempts = await asyncio.to_thread(self._count_attempt, unit)
+        limit = self.config.generate.max_unit_attempts
+        if limit and attempts > limit:  # a poison unit: its actor died every time; the run goes on without it
+            log.error("unit %s failed %d times in this job: writing its rows as errors", unit.shard_name, limit)
+            for i in range(len(rows)):
+                undecodable.setdefault(i, f"unit failed {limit} times: its engine actor died or hung every time "
+                                          "(out of memory, an engine crash, a hang); not generated. Delete this "
+                                          "shard and rerun to try again")
         results = await asyncio.gather(*(self._run_row(row) if i not in undecodable else
                                          self._error_row(row, undecodable[i]) for i, row in enumerate(rows)))
         if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard
@@ -237,6 +250,7 @@ class CompletionGenerator:
         out = self._to_table(table, results)
         uri = storage.join(self.config.output, schema.COMPLETIONS_DIR, unit.shard_name)
         await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
+        await asyncio.to_thread(self._forget_attempts, unit)
         return {
             "shard": [unit.shard_name],
             "num_rows": [len(rows)],
@@ -246,6 +260,23 @@ class CompletionGenerator:
             **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
             "seconds": [time.monotonic() - started],
         }
+
+    def _attempts_uri(self, unit: inputs.WorkUnit) -> str:
+        return storage.join(self.config.output, ATTEMPTS_DIR, unit.shard_name[:-len(schema.SHARD_SUFFIX)] + ".json")
+
+    def _count_attempt(self, unit: inputs.WorkUnit) -> int:
+        """This unit's attempt number in this job, counted in the run directory (an actor that dies forgets)."""
+        uri = self._attempts_uri(unit)
+        seen = storage.read_json(uri, self.config.storage) if storage.exists(uri, self.config.storage) else {}
+        attempt = seen.get("attempts", 0) + 1 if seen.get("job") == self.job_token else 1
+        storage.write_json(uri, {"job": self.job_token, "attempts": attempt}, self.config.storage)
+        return attempt
+
+    def _forget_attempts(self, unit: inputs.WorkUnit) -> None:
+        try:
+            storage.delete(self._attempts_uri(unit), self.config.storage)
+        except (OSError, storage.StorageError):
+            pass  # a stale count only matters to the job that wrote it
 
     async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
         result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -254,7 +255,7 @@ def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa
     ds = ds.map_batches(
         CompletionGenerator,
         fn_constructor_kwargs={"config": to_dict(config), "carried_schema_bytes": carried.serialize().to_pybytes(),
-                               "chat_template": chat_template},
+                               "chat_template": chat_template, "job_token": uuid.uuid4().hex},
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=k),
         max_concurrency=k,

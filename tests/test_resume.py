@@ -4,6 +4,7 @@ driver killed (also mid-write), engine actor killed, engine process killed (Engi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -275,3 +276,47 @@ def test_second_writer_is_refused(tmp_path, make_config):
     from job.cli import main
 
     assert main(["generate", "--config", DEMO_CONFIG, "--input", inp, "--output", config.output, "--force"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A poison unit
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_unit_whose_actor_always_dies_is_written_as_errors_not_retried_for_ever(tmp_path, make_config):
+    """A poison unit: its actor is killed while it works on the unit, every time (what the OOM killer does to a
+    row that needs more memory than the node has). Ray replaces the actor and retries the unit, which used to go
+    on for ever. After `max_unit_attempts` attempts in this job the unit is written as error rows; the job ends.
+    The kill is the only stand-in: real Ray, real vLLM engines, real storage."""
+    rows = simple_prompts(6)
+    inp = write_prompts(tmp_path / "in", rows)
+    attempts_dir = tmp_path / "run" / "attempts"
+    config = make_config(input=inp, output=str(tmp_path / "run"), **{
+        "generate.max_unit_attempts": 1, "generate.rows_per_shard": 16, "quality.canary_rows": 0,
+        "generate.sampling": {"max_tokens": 2048}})
+    killed, stop = [], threading.Event()
+
+    def killer():  # on the unit's first attempt (its count file says which), SIGKILL its actor
+        while not stop.is_set() and not killed:
+            counts = [json.loads(p.read_text())["attempts"] for p in attempts_dir.glob("*.json")
+                      if p.stat().st_size] if attempts_dir.exists() else []
+            if counts and counts[0] == len(killed) + 1:
+                for p in processes("CompletionGenerator"):
+                    p.kill()
+                killed.append(counts[0])
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        summary = run_generate(config)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert killed == [1]
+    assert summary.num_rows == len(rows)
+    table = read_run(config.output)
+    assert sorted(table.column("id").to_pylist()) == sorted(r["id"] for r in rows)
+    errors = table.column("error").to_pylist()
+    assert all(e and e.startswith("unit failed 1 times") for e in errors), errors
+    assert not list(attempts_dir.glob("*.json")), "the count goes once the shard is written"
