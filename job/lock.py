@@ -93,12 +93,15 @@ class _LocalLock:
 
     def create(self, body: bytes) -> str:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(body)
+        try:  # link: create-if-absent with the whole content at once (a reader never sees an empty lock)
+            os.link(tmp, self.path)
         except FileExistsError:
             raise _Conflict("exists") from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
+        finally:
+            os.remove(tmp)
         return self._etag(body)
 
     def replace(self, body: bytes, etag: str) -> str:
@@ -108,7 +111,7 @@ class _LocalLock:
                     raise _Conflict("changed")
         except FileNotFoundError:
             raise _Conflict("gone") from None
-        tmp = f"{self.path}.tmp-{os.getpid()}"
+        tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "wb") as f:
             f.write(body)
         os.replace(tmp, self.path)
@@ -208,7 +211,7 @@ class WriterLock:
     def _beat(self):
         while not self._stop.wait(LOCK_HEARTBEAT_S):
             self.renew()
-            if self.lost:
+            if self.lost and not self._stop.is_set():
                 _thread.interrupt_main()  # the driver stops writing; __exit__ says why
                 return
 

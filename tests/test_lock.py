@@ -73,15 +73,19 @@ def test_a_lock_not_renewed_goes_stale_by_the_storages_clock(output, monkeypatch
     second = WriterLock(output, "generate").__enter__()  # stale: taken without --take-lock
     first.renew()
     assert first.lost
+    with pytest.raises(LockError, match="stopped"):
+        first.__exit__(None, None, None)  # (its heartbeat thread stops with it)
     second.__exit__(None, None, None)
 
 
 def test_a_holder_that_loses_its_lock_is_interrupted(output, monkeypatch):
     monkeypatch.setattr(lock, "LOCK_HEARTBEAT_S", 0.2)
     started = time.monotonic()
+    taker = WriterLock(output, "generate", take_over=True)
     with pytest.raises(LockError, match="stopped: another job took over"):
         with WriterLock(output, "generate"):
-            WriterLock(output, "generate", take_over=True).__enter__()
+            taker.__enter__()
             while time.monotonic() - started < 20:  # the job's work; interrupted at the next renewal
                 time.sleep(0.05)
     assert time.monotonic() - started < 5
+    taker.__exit__(None, None, None)
