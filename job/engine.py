@@ -125,6 +125,13 @@ def is_gpu_platform() -> bool:
 ATTEMPTS_DIR = "attempts"
 
 
+def _error_result(row_id: str, error: str) -> dict[str, Any]:
+    """The completion row of an input row that was not generated: its id and why."""
+    result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
+    result.update({schema.ID: row_id, schema.ERROR: error})
+    return result
+
+
 def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """The unit's rows as dicts, and {row index: error} for rows whose strings are not valid UTF-8 (parquet stores
     such bytes without complaint; decoding them fails). One bad row must not fail its unit on every rerun."""
@@ -267,7 +274,10 @@ class CompletionGenerator:
     def _count_attempt(self, unit: inputs.WorkUnit) -> int:
         """This unit's attempt number in this job, counted in the run directory (an actor that dies forgets)."""
         uri = self._attempts_uri(unit)
-        seen = storage.read_json(uri, self.config.storage) if storage.exists(uri, self.config.storage) else {}
+        try:
+            seen = storage.read_json(uri, self.config.storage)
+        except FileNotFoundError:  # the unit's first attempt in any job since its last shard
+            seen = {}
         attempt = seen.get("attempts", 0) + 1 if seen.get("job") == self.job_token else 1
         storage.write_json(uri, {"job": self.job_token, "attempts": attempt}, self.config.storage)
         return attempt
@@ -279,9 +289,7 @@ class CompletionGenerator:
             pass  # a stale count only matters to the job that wrote it
 
     async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
-        result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
-        result.update({schema.ID: str(row[schema.ID]), schema.ERROR: error})
-        return result
+        return _error_result(str(row[schema.ID]), error)
 
     async def _run_row(self, row: dict[str, Any]) -> dict[str, Any]:
         gen = self.config.generate
@@ -310,9 +318,7 @@ class CompletionGenerator:
                 return await self._generate(result, prompt_ids, params, seed)
             except Exception as e:  # one request vLLM refuses, or output we cannot split: this row, not the job
                 log.warning("row %s failed: %s: %s", row_id, type(e).__name__, e)
-                failed: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
-                failed.update({schema.ID: row_id, schema.ERROR: f"generation failed: {type(e).__name__}: {e}"[:500]})
-                return failed
+                return _error_result(row_id, f"generation failed: {type(e).__name__}: {e}"[:500])
 
     async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt

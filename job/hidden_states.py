@@ -121,7 +121,7 @@ def plan_units(config: RunConfig) -> list[Unit]:
     existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
     for unit in units:
         unit.existing = [name for name in existing if unit.owns(name)]
-        _take_covering_marker(unit)
+        _take_covering_marker(unit, config)
     return units
 
 
@@ -134,7 +134,7 @@ def _remove_outputs(config: RunConfig, units: list[Unit]) -> None:
         unit.existing = []
 
 
-def _take_covering_marker(unit: Unit) -> None:
+def _take_covering_marker(unit: Unit, config: RunConfig) -> None:
     """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
     done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
     if unit.row_limit is None:
@@ -147,18 +147,9 @@ def _take_covering_marker(unit: Unit) -> None:
     if covering:
         rows, limit = max(covering, key=lambda c: c[0])
         if rows >= unit.row_limit:
-            full = _num_rows_of_unit_shard(unit)
+            full = _num_rows(unit.uri, config)
             unit.row_limit = None if limit is None or limit >= full else limit
             unit.num_rows = full if unit.row_limit is None else limit
-
-
-def _num_rows_of_unit_shard(unit: Unit) -> int:
-    from job.inputs import parse_shard_name
-
-    parsed = parse_shard_name(unit.uri.rsplit("/", 1)[-1])
-    if parsed:
-        return parsed[2] - parsed[1]
-    return storage.read_shard_columns(unit.uri, [schema.ID]).num_rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -496,8 +487,9 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
-    units = plan_units(config)
+    # run.json before the listing: stage 1's status as it was when the completion shards were listed.
     previous = runs.read_run_json(config.output, config.storage) or {}
+    units = plan_units(config)
     if previous.get("config", {}).get("model") not in (None, config.model):
         print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
               flush=True)
@@ -552,7 +544,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         seconds = time.monotonic() - extract_started
         summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started)
         # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
-        stage1 = runs.read_run_json(config.output, config.storage).get("generate", {})
+        stage1 = previous.get("generate", {})
         partial = "status" in stage1 and stage1["status"] != "complete"
         runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"})
     if partial:

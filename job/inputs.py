@@ -80,28 +80,27 @@ def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]
     except OSError as e:
         raise InputError(f"input {uri}: cannot be read: {_short(e)}") from None
     if info.type == pafs.FileType.File:
-        uris = [uri]
+        stats = {uri: (int(info.size or 0), info.mtime.timestamp() if info.mtime else None)}
     elif info.type == pafs.FileType.Directory or storage.is_s3(uri):
         try:
-            uris = storage.list_files(uri, ".parquet", storage_config)
+            stats = {storage.join(uri, name): (size, mtime)
+                     for name, size, mtime in storage.list_file_infos(uri, ".parquet", storage_config)}
         except OSError as e:  # e.g. the bucket does not exist
             raise InputError(f"input {uri}: cannot be listed: {_short(e)}") from None
     else:
         raise InputError(f"input {uri}: no such file or directory")
-    if not uris:
+    if not stats:
         raise InputError(f"input {uri}: no .parquet files found")
 
     def footer(u: str) -> InputFile:
         meta = _read_metadata(u, storage_config)
-        f, p = storage.resolve(u, storage_config)
-        stat = storage.with_retries(f.get_file_info, p, what=f"stat {u}", storage=storage_config)
-        return InputFile(uri=u, num_rows=meta.num_rows, size=int(stat.size or 0),
-                         mtime=stat.mtime.timestamp() if stat.mtime is not None else None,
+        size, mtime = stats[u]
+        return InputFile(uri=u, num_rows=meta.num_rows, size=size, mtime=mtime,
                          max_row_group_rows=max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)),
                                                 default=0))
 
     with ThreadPoolExecutor(16) as pool:  # footers are tiny; S3 latency dominates, so read them in parallel
-        return list(pool.map(footer, uris))
+        return list(pool.map(footer, list(stats)))
 
 
 def row_group_note(files: list[InputFile], rows_per_shard: int) -> str | None:

@@ -48,9 +48,8 @@ class _S3Lock:
 
         parsed = urlparse(uri)
         self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
-        endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        region = config.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=region)
+        self.client = boto3.client("s3", endpoint_url=storage.s3_endpoint(config),
+                                   region_name=storage.s3_region(config))
 
     def _call(self, method: str, **kwargs):
         from botocore.exceptions import ClientError

@@ -72,10 +72,6 @@ def git_sha() -> str | None:
         return None
 
 
-def public_config(config: RunConfig) -> dict:
-    return redact(to_dict(config))
-
-
 # Engine arguments that change speed or memory but not what is sampled (speculative decoding's rejection sampling
 # keeps the target's distribution; tensor parallelism and kernels change only rounding). Every other engine
 # argument (dtype, quantization, kv_cache_dtype, max_model_len, ...) is part of a run's identity.
@@ -146,7 +142,7 @@ def check_drift(previous: dict, current: dict, allow_drift: bool, consequence: s
 def write_run_json(config: RunConfig, stage_key: str, stage_info: dict) -> None:
     uri = run_json_uri(config.output)
     data = storage.read_json(uri, config.storage) if storage.exists(uri, config.storage) else {}
-    provenance = {"config": public_config(config), "versions": package_versions(), "git_sha": git_sha()}
+    provenance = {"config": to_dict(config), "versions": package_versions(), "git_sha": git_sha()}
     if stage_key == "generate" or "config" not in data:
         data.update(provenance)  # the run's own: stage 1's config (rows per shard, sampling, input)
     else:  # a later stage keeps stage 1's provenance and records its own beside it

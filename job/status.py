@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 
 from job import schema, storage
 from job.inputs import parse_shard_name
@@ -60,22 +59,8 @@ class ShardStat:
 
 def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[str, float, int]]:
     """(name, mtime, size) of every `.arrow` shard under `directory`; [] when it does not exist yet."""
-    return _list_shards_with(directory, (schema.SHARD_SUFFIX,), storage_config)
-
-
-def _list_shards_with(directory: str, suffixes: tuple[str, ...],
-                      storage_config: StorageConfig) -> list[tuple[str, float, int]]:
-    """(name relative to `directory`, mtime, size) of every file under it whose name ends in one of `suffixes`."""
-    fs, path = storage.resolve(directory, storage_config)
-    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    infos = storage.with_retries(fs.get_file_info, selector, what=f"list {directory}", storage=storage_config)
-    out = []
-    for i in infos:
-        if i.type == pafs.FileType.File and i.path.endswith(suffixes) and not i.base_name.startswith("."):
-            mtime = i.mtime.timestamp() if i.mtime is not None else 0.0
-            out.append((i.path[len(path):].lstrip("/"), mtime, int(i.size or 0)))
-    return sorted(out)
-
+    return [(name, mtime or 0.0, size)
+            for name, size, mtime in storage.list_file_infos(directory, schema.SHARD_SUFFIX, storage_config)]
 
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
@@ -201,7 +186,7 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
     A shard's rows are done when its full marker exists; a `--limit` run's marker covers its first <limit> rows.
     Markers also carry the sample and token counts, read only when `read_markers` (one small GET each)."""
     hidden_dir = storage.join(run_uri, schema.HIDDEN_STATES_DIR)
-    files = _list_shards_with(hidden_dir, ("",), storage_config)
+    files = [(name, mtime, size) for name, size, mtime in storage.list_file_infos(hidden_dir, "", storage_config)]
     if not files and not run.get("hidden_states"):
         return None
     done_prefix = "_done/"

@@ -56,14 +56,22 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base, *[p.strip("/") for p in parts]])
 
 
+def s3_endpoint(storage: StorageConfig) -> str | None:
+    """The S3 endpoint URL: the config's, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else None (AWS itself)."""
+    return storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def s3_region(storage: StorageConfig) -> str:
+    return storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
 def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or an s3:// URI."""
     storage = storage or StorageConfig()
     if is_s3(uri):
         parsed = urlparse(uri)
-        endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        region = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        kwargs: dict = {"region": region}
+        endpoint = s3_endpoint(storage)
+        kwargs: dict = {"region": s3_region(storage)}
         if endpoint:
             ep = urlparse(endpoint)
             kwargs["endpoint_override"] = ep.netloc or ep.path
@@ -128,8 +136,7 @@ def check_reachable(uri: str, storage: StorageConfig | None = None) -> None:
     storage = storage or StorageConfig()
     fs, path = resolve(uri, storage)
     bucket = path.split("/", 1)[0]
-    endpoint = (storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-                or "AWS S3")
+    endpoint = s3_endpoint(storage) or "AWS S3"
     key = (endpoint, bucket)
     if key in _reachable:
         return
@@ -155,14 +162,22 @@ def exists(uri: str, storage: StorageConfig | None = None) -> bool:
     return info.type != pafs.FileType.NotFound
 
 
-def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> list[str]:
-    """Sorted URIs of the files under `uri` (recursively) whose name ends in `suffix`; [] if `uri` is absent."""
+def list_file_infos(uri: str, suffixes: str | tuple[str, ...],
+                    storage: StorageConfig | None = None) -> list[tuple[str, int, float | None]]:
+    """(name relative to `uri`, size, mtime) of the files under `uri` (recursively) whose name ends in one of
+    `suffixes`, hidden files left out, sorted by name; [] if `uri` is absent. One listing: sizes and times come
+    with it (on S3, from ListObjectsV2), no request per file."""
     fs, path = resolve(uri, storage)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
     infos = with_retries(fs.get_file_info, selector, what=f"list {uri}", storage=storage)
-    rel = sorted(i.path[len(path):].lstrip("/") for i in infos
-                 if i.type == pafs.FileType.File and i.path.endswith(suffix) and not i.base_name.startswith("."))
-    return [join(uri, r) for r in rel]
+    return sorted((i.path[len(path):].lstrip("/"), int(i.size or 0), i.mtime.timestamp() if i.mtime else None)
+                  for i in infos
+                  if i.type == pafs.FileType.File and i.path.endswith(suffixes) and not i.base_name.startswith("."))
+
+
+def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> list[str]:
+    """Sorted URIs of the files under `uri` (recursively) whose name ends in `suffix`; [] if `uri` is absent."""
+    return [join(uri, name) for name, _, _ in list_file_infos(uri, suffix, storage)]
 
 
 _TEST_WRITE_DELAY_S = float(os.environ.get("DATAGEN_TEST_WRITE_DELAY_S", "0"))
