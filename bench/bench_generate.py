@@ -25,19 +25,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 
-def _setup(num_prompts: int, workdir: str):
+def _setup(num_prompts: int, workdir: str, config_path: str | None = None, overrides: dict | None = None):
+    """The run config: configs/demo.yaml on the tiny model, or `config_path` (e.g. bench/gpu_stage1.yaml) with
+    its `model` built by bench/dummy_model.py when it is the 27B hybrid shape; then dotted-key `overrides`."""
     from job.config import load_config
     from job.demo import TINY_MODEL_DIR, write_demo_prompts
     from job.tiny_model import ensure_tiny_model
 
-    model = str(REPO / TINY_MODEL_DIR)
-    ensure_tiny_model(model)
-    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, 4)
-    config = load_config(str(REPO / "configs/demo.yaml"), model=model, input=prompts,
-                         output=os.path.join(workdir, "run"))
-    return config
+    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, max(4, num_prompts // 256))
+    if config_path is None:
+        model = str(REPO / TINY_MODEL_DIR)
+        ensure_tiny_model(model)
+        config_path = str(REPO / "configs/demo.yaml")
+    else:
+        from dummy_model import ensure_dummy_hybrid_27b
+
+        model = ensure_dummy_hybrid_27b(str(REPO / ".cache/dummy-hybrid-27b"))
+    return load_config(config_path, model=model, input=prompts, output=os.path.join(workdir, "run"),
+                       **(overrides or {}))
 
 
 def _token_prompts(config):
@@ -95,16 +103,28 @@ def run_raydata(config) -> dict:
 
     # ray.data.llm asks for a GPU, and its chat-template, tokenize, detokenize and engine actors each reserve a
     # logical CPU: with the 2 real CPUs as logical ones it never schedules its engine. 8 logical CPUs on 2 cores.
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=max(8, os.cpu_count()), num_gpus=1, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     sampling = _sampling(config)
+    # On a GPU its documented throughput settings: batches of 64, 16 of them in the engine at once, no detokenize
+    # stage (no contender detokenizes inside the generation window).
+    # It also gets the same token ids as the others (its chat-template stage would load an AutoProcessor, which a
+    # dummy-weight model directory has no preprocessor_config.json for), as in ../shared/gpu/README.md.
+    token_ids = os.environ.get("BENCH_RAYDATA_TOKEN_IDS") == "1" or _on_gpu()
+    throughput = {"max_concurrent_batches": 16, "chat_template_stage": False, "tokenize_stage": False,
+                  "detokenize_stage": False}
     proc_config = vLLMEngineProcessorConfig(
         model_source=config.model, engine_kwargs=dict(config.engine_kwargs), batch_size=64, concurrency=1,
-        log_engine_metrics=False, runtime_env={"env_vars": dict(config.env_vars)})
+        log_engine_metrics=False, runtime_env={"env_vars": dict(config.env_vars)}, **(throughput if token_ids else {}))
+    if token_ids:
+        prompts, rows = _token_prompts(config)
+        ids = {r["id"]: p for r, p in zip(rows, prompts)}
+        preprocess = lambda row: dict(tokenized_prompt=ids[row["id"]], sampling_params=sampling)  # noqa: E731
+    else:
+        preprocess = lambda row: dict(messages=[{"role": "user", "content": row["prompt"]}],  # noqa: E731
+                                      sampling_params=sampling, chat_template_kwargs={"enable_thinking": True})
     processor = build_processor(
-        proc_config,
-        preprocess=lambda row: dict(messages=[{"role": "user", "content": row["prompt"]}],
-                                    sampling_params=sampling, chat_template_kwargs={"enable_thinking": True}),
+        proc_config, preprocess=preprocess,
         postprocess=lambda row: dict(id=row["id"], num_generated_tokens=row["num_generated_tokens"]),
     )
     ds = processor(ray.data.read_parquet(config.input))
@@ -119,9 +139,24 @@ def run_raydata(config) -> dict:
     return {"wall_s": t1 - t0, "first_row_s": first - t0, "output_tokens": tokens, "rows": rows}
 
 
-def _child(which: str, num_prompts: int) -> None:
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_contender(spec: str) -> tuple[str, dict]:
+    """'stage1+engine_kwargs.max_num_seqs=64+generate.max_rows_in_flight=64' -> ('stage1', {dotted: value})."""
+    import yaml
+
+    name, *pairs = spec.split("+")
+    return name, {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)}
+
+
+def _child(spec: str, num_prompts: int, config_path: str | None) -> None:
+    which, overrides = parse_contender(spec)
     with tempfile.TemporaryDirectory() as d:
-        config = _setup(num_prompts, d)
+        config = _setup(num_prompts, d, config_path, overrides)
         os.environ.update(config.env_vars)
         result = {"plain": run_plain, "stage1": run_stage1, "raydata": run_raydata}[which](config)
     print("RESULT " + json.dumps(result), flush=True)
@@ -138,22 +173,41 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--only", nargs="*", default=["plain", "stage1", "raydata"])
+    parser.add_argument("--config", help="a run config in place of configs/demo.yaml (bench/gpu_stage1.yaml)")
+    parser.add_argument("--logs", help="keep each contender's output here (vLLM's stats lines: requests running)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per contender")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.prompts)
+        _child(args.child, args.prompts, args.config)
         return
     with tempfile.TemporaryDirectory() as d:
-        _setup(args.prompts, d)  # build the tiny model before any timing
+        _setup(args.prompts, d, args.config)  # build the model before any timing
     results = {}
-    for which in args.only:
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, __file__, "--child", which, "--prompts", str(args.prompts)],
-                              capture_output=True, text=True, env=env, cwd=REPO)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    for n, which in enumerate(args.only):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        cmd = [sys.executable, __file__, "--child", which, "--prompts", str(args.prompts)]
+        proc = subprocess.Popen(cmd + (["--config", args.config] if args.config else []), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            output = proc.communicate()[0] + f"\n{which}: timed out after {args.timeout} s\n"
+        try:  # vLLM's engine core outlives a killed parent and holds the GPU: end the whole process group
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            with open(os.path.join(args.logs, f"{n}-{which.split('+')[0]}.log"), "w") as f:
+                f.write(output)
+        line = [ln for ln in output.splitlines() if ln.startswith("RESULT ")]
         if not line:
-            print(proc.stdout[-3000:], proc.stderr[-3000:])
-            raise SystemExit(f"{which} failed")
+            print(output[-4000:], flush=True)
+            print(f"{which} failed", flush=True)
+            continue
         results[which] = json.loads(line[0][7:])
         r = results[which]
         r["tok_per_s_window"] = r["output_tokens"] / r["generation_s"] if r.get("generation_s") else None

@@ -1,12 +1,14 @@
 """Stage 2 (transformers backend) on the 27B hybrid shape: padded vs packed batches vs a plain forward, one process.
 
     PYTHONPATH=.:/root/site python3 bench/bench_hybrid_stage2.py --out $OUT/hybrid_stage2.json    # one H200
+        [--layouts padded packed:per_sequence packed:varlen] [--profile $OUT/kernels.txt]
 
 Qwen3.6-27B text shape (hidden 5120, 64 layers: 3 Gated DeltaNet : 1 gated attention, head_dim 256, 24/4 heads,
 16/48 linear heads of 128, intermediate 17408), random bf16 weights, DFlash layers [1, 16, 31, 46, 61]. The samples
 are bench_hidden_states.py's (log-normal lengths, median 1400, clipped to [256, 4096]). Timed on the second of two
 passes of each (kernel autotuning, first shapes): the extractor end to end (forward with hooks, stopping after layer 61;
-checks; device->host copy) in each layout, and a plain transformers forward of all 64 layers over the same padded
+checks; device->host copy) in each layout (packed batches: the GDN layers once per sequence through transformers'
+own layer, or once per batch through flash-linear-attention's varlen kernels), and a plain transformers forward of all 64 layers over the same padded
 batches (no hooks, nothing copied back).
 """
 
@@ -33,6 +35,23 @@ SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, n
                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
+def profile(ex, samples, path):
+    """Which kernels take the GPU's time: torch.profiler over the first 3 parts (24 samples), CUDA time per kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    parts = list(enumerate(plan_parts(samples, 8)))[:3]
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for part in ex.run(parts):
+            part.release()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(table)
+    print(table[:6000], flush=True)
+
+
 def main():
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -41,6 +60,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--num-samples", type=int, default=120)
     parser.add_argument("--batch-tokens", type=int, default=32768)
+    parser.add_argument("--layouts", nargs="*", default=["padded", "packed:per_sequence", "packed:varlen"],
+                        help="attention[:gdn] of each extractor timed")
+    parser.add_argument("--profile", help="write the top CUDA kernels of 3 parts of the last layout here")
     args = parser.parse_args()
     layer_ids = [1, 16, 31, 46, 61]
     started = time.perf_counter()
@@ -50,11 +72,12 @@ def main():
     torch.set_default_dtype(torch.float32)
     results = {"init_s": time.perf_counter() - started, "gpu": torch.cuda.get_device_name()}
     samples = make_samples(args.num_samples, 4096, seed=0, min_len=256, max_len=4096)
-    warm = make_samples(8, 4096, seed=1, min_len=256, max_len=2048)
     tokens = sum(s.num_tokens for s in samples)
     results["num_tokens"] = tokens
-    for attention in ("padded", "packed"):
-        ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=args.batch_tokens, attention=attention)
+    for layout in args.layouts:
+        attention, _, gdn = layout.partition(":")
+        ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=args.batch_tokens, attention=attention,
+                                   gdn=gdn or "auto")
         # Timed on the second of two full passes: fla's Triton kernels autotune on every new batch shape, and the
         # first pass pays that (measured: 52 s padded, 33 s packed on the first pass).
         for _ in range(2):
@@ -64,10 +87,12 @@ def main():
                 part.release()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t
-        results[attention] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
-                              "padding_waste": ex.stats.padding_waste, "wait_gpu_s": ex.stats.wait_gpu_s}
+        results[layout] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
+                           "padding_waste": ex.stats.padding_waste, "wait_gpu_s": ex.stats.wait_gpu_s}
+        if args.profile and layout == args.layouts[-1]:
+            profile(ex, samples, args.profile)
         ex.close()
-        print(attention, json.dumps(results[attention]), flush=True)
+        print(layout, json.dumps(results[layout]), flush=True)
     ordered = [s for p in plan_parts(samples, 8) for s in p]
     batches = [ordered[a:b] for a, b in plan_batches([s.num_tokens for s in ordered], args.batch_tokens)]
     plain_forward(model, batches, "cuda", packed=False)  # its shapes are tuned already: one pass to be sure

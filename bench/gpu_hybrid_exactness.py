@@ -9,6 +9,8 @@ on a small random bf16 model of the Qwen3.5/3.6 shape (8 layers: GDN x3 + attent
   `output_hidden_states[k + 1]` of a plain forward of the sample alone, over the sample and its first 16 tokens,
   for padded batches, packed batches (GDN layers once per sequence), and packed batches with that taken away (the
   old behaviour: what the exactness self-check must catch);
+- packed batches with the GDN layers once per batch through flash-linear-attention's varlen kernels (`gdn`
+  'varlen', the default on GPUs);
 - the same for the vLLM backend (`extract_hidden_states`), on the tiny hybrid.
 """
 
@@ -41,13 +43,14 @@ def samples_of(lengths, vocab, seed=0):
                    original_num_tokens=int(n), row=i) for i, n in enumerate(lengths)]
 
 
-def measure(model, samples, layer_ids, attention, leak=False):
+def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence"):
     import torch
 
     original = TransformersExtractor._per_sequence
     if leak:
-        TransformersExtractor._per_sequence = lambda self, forward: forward
-    ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=65536, attention=attention)
+        TransformersExtractor._per_sequence = lambda self, mixer, forward: forward
+    ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=65536, attention=attention,
+                               gdn="per_sequence" if leak or attention == "padded" else gdn)
     started = time.perf_counter()
     (part,) = list(ex.run([(0, plan_parts(samples, len(samples))[0])], pooled=False))
     if torch.cuda.is_available():
@@ -59,7 +62,8 @@ def measure(model, samples, layer_ids, attention, leak=False):
     ex.close()
     TransformersExtractor._per_sequence = original
     by_order = {s.id: i for i, s in enumerate(part.samples)}
-    return {"attention": ex.attention + (" without per-sequence GDN (old)" if leak else ""), "seconds": seconds,
+    layout = ex.attention + (" without per-sequence GDN (old)" if leak else f", GDN {ex.gdn}" if ex.packed else "")
+    return {"attention": layout, "seconds": seconds,
             "max_whole": max(d.whole for d in diffs), "max_first16": max(d.first for d in diffs),
             "first_in_batch_max": max(max(d.whole, d.first) for d in diffs if by_order[d.sample] == 0),
             "later_in_batch_max": max(max(d.whole, d.first) for d in diffs if by_order[d.sample] > 0)}
@@ -89,17 +93,19 @@ def main():
     lengths = [90, 70, 40, 17] if args.smoke else [900, 700, 512, 300, 130, 64, 40, 17]
     samples = samples_of(lengths, SMALL["vocab_size"])
     rows = []
-    for attention, leak in (("padded", False), ("packed", False), ("packed", True)):
+    varlen = [] if args.smoke else [("packed", False, "varlen")]
+    for attention, leak, gdn in [("padded", False, ""), ("packed", False, "per_sequence"), *varlen,
+                                 ("packed", True, "")]:
         rows.append({"model": "small qwen3_5 shape (8 layers, hidden 2048)",
-                     **measure(small, samples, [1, 3, 7], attention, leak)})
+                     **measure(small, samples, [1, 3, 7], attention, leak, gdn)})
         print(json.dumps(rows[-1]), flush=True)
     del small
     torch.cuda.empty_cache()
 
     tiny = load_model(args.tiny, dtype="bfloat16", device=device)
     tiny_samples = samples_of([300, 200, 120, 64, 33, 9], 3700, seed=1)
-    for attention in ("padded", "packed"):
-        rows.append({"model": "tiny hybrid", **measure(tiny, tiny_samples, [0, 1, 2], attention)})
+    for attention, gdn in [("padded", ""), ("packed", "per_sequence"), *[v[::2] for v in varlen]]:
+        rows.append({"model": "tiny hybrid", **measure(tiny, tiny_samples, [0, 1, 2], attention, gdn=gdn)})
         print(json.dumps(rows[-1]), flush=True)
     ref = reference_features(tiny, tiny_samples, [0, 1, 2])
     del tiny

@@ -472,6 +472,58 @@ def slow_path_warnings(stack) -> list[str]:
     return []
 
 
+# The attributes of transformers' Qwen3.5/3.6 Gated DeltaNet layer (`Qwen3_5GatedDeltaNet`, transformers 5.17-5.19)
+# that `_varlen_gated_deltanet` computes with: its own forward's arithmetic, kernels told the sequence bounds.
+_GDN_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
+                   "out_proj", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "activation")
+
+
+def varlen_gdn_problem(stack) -> str | None:
+    """None when every Gated DeltaNet layer of `stack` can run once per packed batch through flash-linear-attention's
+    varlen kernels; else why not (then a packed batch runs each such layer once per sequence)."""
+    import importlib.util
+
+    types = getattr(stack.config, "layer_types", None) or []
+    if "linear_attention" not in types:
+        return "the model has no Gated DeltaNet layers"
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed"
+    for i, (kind, layer) in enumerate(zip(types, stack.layers)):
+        mixer = getattr(layer, "linear_attn", None)
+        if kind == "linear_attention" and (mixer is None or not all(hasattr(mixer, a) for a in _GDN_ATTRIBUTES)):
+            return f"decoder layer {i}'s linear_attn is not the Qwen3.5 Gated DeltaNet this code knows"
+    return None
+
+
+def _varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
+    """transformers' Qwen3_5GatedDeltaNet.forward (no cache) over a packed batch [1, tokens, hidden] in one pass:
+    the causal conv1d and the chunked gated delta rule are flash-linear-attention's varlen kernels, given the
+    sequence bounds, so each sequence's conv window and recurrent state start from zero at its first token, exactly
+    as when it runs alone. Grouped value heads (48 value : 16 key heads on the 27B) go to the kernel as they are
+    (its GVA maps value head j to key head j // 3, which is transformers' `repeat_interleave`). Measured against
+    once-per-sequence in docs/BENCHMARKS.md; every worker's self-check compares it with a plain forward."""
+    import torch
+    import torch.nn.functional as F
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    _, tokens, _ = hidden_states.shape
+    mixed, _ = causal_conv1d(mixer.in_proj_qkv(hidden_states), weight=mixer.conv1d.weight.squeeze(1),
+                             bias=mixer.conv1d.bias, activation=mixer.activation, cu_seqlens=cu_seqlens,
+                             cu_seqlens_cpu=cu_seqlens_cpu)
+    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    query = query.reshape(1, tokens, -1, mixer.head_k_dim)
+    key = key.reshape(1, tokens, -1, mixer.head_k_dim)
+    value = value.reshape(1, tokens, -1, mixer.head_v_dim)
+    beta = mixer.in_proj_b(hidden_states).sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(hidden_states).float() + mixer.dt_bias)
+    out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
+    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(1, tokens, -1)
+    return mixer.out_proj(out)
+
+
 @dataclass
 class PartFeatures:
     """One finished part: its samples (part order) and their features back to back, uint8 [total × width]."""
@@ -531,11 +583,14 @@ class TransformersExtractor:
     """Forward passes over length-sorted batches, capturing exactly `layer_ids` (resolved) with hooks."""
 
     def __init__(self, model, *, layer_ids: list[int], batch_tokens: int = 16384, min_rms: float = 1e-5,
-                 max_rms: float = 1e4, check: bool = True, attention: str = "auto"):
+                 max_rms: float = 1e4, check: bool = True, attention: str = "auto", gdn: str = "auto"):
         """`attention`: 'padded' (transformers' SDPA over right-padded rows with a mask), 'packed' (rows
         concatenated with no padding: varlen flash attention, see _packed_attention; recurrent layers once per
         sequence, see PACKABLE_LAYERS) or 'auto' (packed where torch has varlen attention, a GPU, and every
-        sequence mixer of the model can be kept exact; else padded)."""
+        sequence mixer of the model can be kept exact; else padded). `gdn`, for the Gated DeltaNet layers of a
+        packed batch: 'varlen' (one flash-linear-attention call per layer over the whole batch, told the sequence
+        bounds: see _varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
+        (varlen on a GPU with flash-linear-attention)."""
         import torch
 
         self.torch = torch
@@ -560,13 +615,21 @@ class TransformersExtractor:
         self.attention = attention
         self.packed = attention == "packed"
         self._segments: list[tuple[int, int]] | None = None  # host [start, stop) of each sequence of a packed batch
+        self._cu_seqlens = None  # (device int64, host int64) sequence bounds of a packed batch, for varlen GDN kernels
+        if gdn not in ("auto", "varlen", "per_sequence"):
+            raise ValueError(f"gdn must be auto, varlen or per_sequence, got {gdn!r}")
+        if gdn == "auto":
+            gdn = "varlen" if self.packed and self.cuda and varlen_gdn_problem(self.stack) is None else "per_sequence"
+        elif gdn == "varlen" and self.packed and varlen_gdn_problem(self.stack):
+            raise ValueError(f"gdn 'varlen' is not available: {varlen_gdn_problem(self.stack)}")
+        self.gdn = gdn
         self._wrapped = []
         if self.packed:
             _register_packed_attention()
             for layer in self.stack.layers:
                 mixer = getattr(layer, PACKABLE_LAYERS["linear_attention"], None)
                 if mixer is not None:
-                    mixer.forward = self._per_sequence(mixer.forward)
+                    mixer.forward = self._per_sequence(mixer, mixer.forward)
                     self._wrapped.append(mixer)
         self.width = len(self.layer_ids) * self.hidden_size * ITEMSIZE[dtype]
         self.stats = RunStats()
@@ -600,16 +663,19 @@ class TransformersExtractor:
                 raise _StopForward
         return hook
 
-    def _per_sequence(self, forward):
+    def _per_sequence(self, mixer, forward):
         """A packed batch's recurrent mixer runs once per sequence, each alone as in an unbatched forward (no cache,
         no mask, no packing arguments), so its conv and recurrent state start from zero at every sequence. The
         boundaries come from the host (`_segments`): reading them off a device tensor would stall the GPU at
-        every such layer. Token-wise work around it (projections, MLPs, norms) stays packed."""
+        every such layer. Token-wise work around it (projections, MLPs, norms) stays packed. With `gdn` 'varlen'
+        the layer runs once over the whole batch, its kernels told the bounds (`_varlen_gated_deltanet`)."""
         torch = self.torch
 
         def per_sequence(hidden_states, *args, **kwargs):
             if self._segments is None:  # a forward this extractor did not start (e.g. a reference forward)
                 return forward(hidden_states, *args, **kwargs)
+            if self.gdn == "varlen":
+                return _varlen_gated_deltanet(mixer, hidden_states, *self._cu_seqlens)
             return torch.cat([forward(hidden_states[:, a:b]) for a, b in self._segments], dim=1)
 
         return per_sequence
@@ -643,6 +709,9 @@ class TransformersExtractor:
             gather, padded_tokens = None, total
             bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
             self._segments = list(zip(bounds[:-1], bounds[1:]))
+            if self.gdn == "varlen":
+                cpu = torch.tensor(bounds, dtype=torch.int64)
+                self._cu_seqlens = (cpu.pin_memory().to(self.device, non_blocking=True), cpu)
         else:
             ids = np.zeros((rows, longest), dtype=np.int64)
             mask = np.zeros((rows, longest), dtype=np.int64)
@@ -675,7 +744,7 @@ class TransformersExtractor:
                 reduced[0].index_add_(0, tr, norms.square())
                 reduced[1].index_add_(0, tr, (~torch.isfinite(norms)).float())
         finally:
-            self._out = self._gather = self._segments = None
+            self._out = self._gather = self._segments = self._cu_seqlens = None
 
         self.stats.num_tokens += total
         self.stats.num_padded_tokens += padded_tokens

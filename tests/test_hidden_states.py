@@ -486,7 +486,7 @@ def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hyb
     worker = HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)  # exact: passes
     assert worker.self_check["where"] == "transformers backend, packed batches"
     assert worker.self_check["max_difference"] < 1e-3
-    monkeypatch.setattr(Extractor, "_per_sequence", lambda self, forward: forward)
+    monkeypatch.setattr(Extractor, "_per_sequence", lambda self, mixer, forward: forward)
     with pytest.raises(HiddenStateCheckError, match=r"self-check failed.*layer \d of sample 'row-\d+' differs from "
                                                     r"a plain transformers forward .* by \d+\.\d+%"):
         HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)

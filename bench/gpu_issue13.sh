@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 13 on one H200 (after .gpu-wheels/install.sh; carries .cache/tiny-hybrid and .cache/dummy-hybrid-27b).
+# Each part is one device call; logs and JSON go to $OUT.
+#   bash bench/gpu_issue13.sh stage2   # GDN varlen vs once-per-sequence: exactness, speed, kernel profile
+#   bash bench/gpu_issue13.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
+#   bash bench/gpu_issue13.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
+set -u
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+case "$1" in
+stage2)
+  timeout 150 python3 bench/gpu_hybrid_exactness.py --skip-vllm --out $OUT/exactness.json 2>&1 \
+    | grep -v "Warning\|warn" | tee $OUT/exactness.log | grep "^{" | cut -c1-400
+  timeout 400 python3 bench/bench_hybrid_stage2.py --out $OUT/hybrid_stage2.json \
+    --layouts packed:per_sequence packed:varlen --profile $OUT/kernels.txt 2>&1 | grep -v "Warning\|warn" \
+    | tee $OUT/hybrid_stage2.log | grep -v "^ " | tail -8
+  ;;
+stage1)
+  # Warm-up first (compile cache and Triton autotuning for this engine config), so every contender starts warm.
+  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
+  timeout 570 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-512} \
+    --only "plain+generate.sampling.max_tokens=16" plain stage1 raydata --timeout 200 --logs $OUT/logs 2>&1 \
+    | tee $OUT/stage1.log | grep -v "^INFO\|^(\|^\[" | tail -20
+  ;;
+sweep)
+  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
+  timeout 570 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-512} \
+    --only ${SWEEP:-"stage1+engine_kwargs.max_num_seqs=256" "stage1+engine_kwargs.max_num_seqs=64" "stage1+engine_kwargs.enable_prefix_caching=true"} \
+    --timeout 200 --logs $OUT/logs 2>&1 | tee $OUT/sweep.log | grep -v "^INFO\|^(\|^\[" | tail -20
+  ;;
+esac
