@@ -125,8 +125,8 @@ def local_ray():
 
 def hs_config(model_dir: str, run: str, before_norm: bool) -> RunConfig:
     return RunConfig(model=model_dir, output=run, hidden_states=HiddenStatesConfig(
-        layer_ids=LAYERS, max_length=128, batch_tokens=256, rows_per_shard=3, dtype="bfloat16", check_samples=0,
-        last_layer_before_norm=before_norm))
+        layer_ids=LAYERS, max_length=128, batch_tokens=256, rows_per_shard=3, dtype="bfloat16", check_samples=2,
+        last_layer_before_norm=before_norm))  # the self-check compares the pre-norm layer with a hooked forward
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
@@ -224,6 +224,9 @@ def test_speculators_reads_back_exactly_and_its_last_slot_is_before_the_norm(run
     assert json.loads(meta[schema.META_LAYER_IDS]) == [0, 1, 2, 3]
     assert json.loads(meta[schema.META_VLLM_LAYER_IDS]) == [1, 2, 3, 4]
     assert meta[schema.META_LAST_LAYER_NORM] == b"before_norm" and meta[schema.META_NUM_MODEL_LAYERS] == b"4"
+    from job.hidden_states import check_run  # `hidden-states --check` reads the convention from the metadata
+
+    assert check_run(hs_config(model_dir, run, True), num_samples=2)["max_difference"] < 0.05
 
     out = str(tmp_path / "spec")
     summary = export(run, to="speculators", format="eagle3", output=out)
