@@ -319,7 +319,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
 
     seen = None
     for uri in shard_uris[:1] + shard_uris[-1:]:
-        meta = storage.read_shard(uri, storage_config, memory_map=not storage.is_s3(uri)).schema.metadata
+        meta = _shard_schema(uri, storage_config).metadata
         layout = (json.loads(meta[schema.META_LAYER_IDS]), meta.get(schema.META_NUM_MODEL_LAYERS),
                   meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
                   meta[schema.META_MODEL].decode())
@@ -331,6 +331,17 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     # Shards written before `num_model_layers` was recorded: ask the model's config.
     num_layers = int(num_layers) if num_layers is not None else model_shape(model)[0]
     return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model
+
+
+def _shard_schema(uri: str, storage_config) -> pa.Schema:
+    """A shard's schema from its footer alone (a shard holds gigabytes of features)."""
+    fs, path = storage.resolve(uri, storage_config)
+
+    def read():
+        with fs.open_input_file(path) as f:
+            return pa.ipc.open_file(f).schema
+
+    return storage.with_retries(read, what=f"read {uri}", storage=storage_config)
 
 
 def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
