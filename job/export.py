@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ FILE_GROUP_SIZE = 2000  # SpecForge's --file-group-size default: data_{i}.ckpt i
 SHARDS_PER_ARROW_FILE = 256  # speculators' dataset: one Arrow file per 256 of our shards (~8K samples, ~100 MB)
 SPECFORGE_DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's EAGLE-3 draft default (TargetDerivedDraftDefaults)
 EXPORT_JSON, SAMPLES_JSONL, DROPPED_JSONL = "export.json", "samples.jsonl", "dropped.jsonl"
+# The files a trainer reads as samples: SpecForge's feature files, speculators' features and dataset files.
+TRAINER_FILE = re.compile(r"rows_\d+-\d+/data_\d+\.ckpt(\.gz)?|hidden_states/hs_\d+\.safetensors|"
+                          r"data-\d{5}-of-\d{5}\.arrow")
 
 
 class ExportError(ConfigError):
@@ -362,6 +366,9 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     """Write a run in a trainer's format under `output` (local or s3://); returns the summary also written to
     `output/export.json`. File names are deterministic and each is written atomically: a rerun rewrites the same
     files, never a second copy."""
+    inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
+    if output.rstrip("/") == run.rstrip("/") or inside:
+        raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
     if to == "specforge" and format == "conversations":
         return export_conversations(run, output=output, storage_config=storage_config)
     shard_uris = storage.list_files(storage.join(run, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
@@ -379,13 +386,13 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
 
     from job.extractor import BackgroundWriter
 
+    written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end
     writer = BackgroundWriter(max_pending=8)
     counter: Counter = Counter()
     kept: list[str] = []
     dropped: list[dict] = []
     arrow_files: list[str] = []
     groups = [shard_uris[i:i + SHARDS_PER_ARROW_FILE] for i in range(0, len(shard_uris), SHARDS_PER_ARROW_FILE)]
-    hs_dir = output if to == "specforge" else storage.join(output, "hidden_states")
     num_tokens = 0
     try:
         for g, group in enumerate(groups):
@@ -401,13 +408,15 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
                 count_tokens(counter, rec[schema.INPUT_IDS], rec[schema.LOSS_MASK])
                 num_tokens += len(rec[schema.INPUT_IDS])
                 if to == "specforge":
-                    writer.submit(storage.write_bytes_atomic, storage.join(hs_dir, specforge_file_name(index)),
-                                  _torch_bytes(sample), storage_config)
+                    name = specforge_file_name(index)
+                    data = _torch_bytes(sample)
                 else:
                     from safetensors.torch import save
 
-                    writer.submit(storage.write_bytes_atomic, storage.join(hs_dir, f"hs_{index}.safetensors"),
-                                  save(sample), storage_config)
+                    name, data = f"hidden_states/hs_{index}.safetensors", save(sample)
+                written.add(name)
+                writer.submit(storage.write_bytes_atomic, storage.join(output, name), data, storage_config)
+                if to == "speculators":
                     rows.append((rec[schema.INPUT_IDS].numpy(), rec[schema.LOSS_MASK].numpy().astype(np.int64),
                                  len(rec[schema.INPUT_IDS])))
             if to == "speculators":
@@ -415,8 +424,14 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
                 data = _arrow_stream_bytes(_speculators_table(rows))
                 writer.submit(storage.write_bytes_atomic, storage.join(output, name), data, storage_config)
                 arrow_files.append(name)
+                written.add(name)
     finally:
         writer.close()
+    # A trainer reads every file of its kind under the directory: files an earlier export into the same output left
+    # (more samples then, another format) would be read as samples of this one.
+    for name, _, _ in storage.list_file_infos(output, (".ckpt", ".ckpt.gz", ".safetensors", ".arrow"), storage_config):
+        if name not in written and TRAINER_FILE.fullmatch(name):
+            storage.delete(storage.join(output, name), storage_config)
 
     if to == "specforge" and format == "eagle3":
         d2t, t2d = specforge_vocab_mapping(counter, draft_vocab_size, target_vocab_size)

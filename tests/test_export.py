@@ -282,7 +282,11 @@ def test_stream_gives_the_files_rows(runs, tmp_path):
         pytest.skip("one model is enough: the stream shares the mapping with the files (saves ~20 s)")
     run = by_norm[True]
     out = str(tmp_path / "spec")
-    export(run, to="speculators", format="dflash", output=out, layers=[1])
+    export(run, to="speculators", format="dflash", output=out)  # 2 aux layers: 0, 1
+    extra = os.path.join(out, "hidden_states", "hs_99.safetensors")
+    open(extra, "wb").write(b"from an earlier export")
+    export(run, to="speculators", format="dflash", output=out, layers=[1])  # the same directory, other layers
+    assert not os.path.exists(extra)  # the trainer would read it as a sample
     files = dict(zip(ids_in_order(out), speculators_read(out)))
     streamed = {}
     ds = stream(hs_config(model_dir, run, True), to="speculators", format="dflash", layers=[1])
@@ -301,7 +305,9 @@ def test_stream_gives_the_files_rows(runs, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_wrong_conventions_are_refused_with_the_fix():
+def test_wrong_conventions_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ExportError, match="must lie outside the run directory"):
+        export(str(tmp_path), to="specforge", format="dflash", output=str(tmp_path / "export"))
     with pytest.raises(ExportError, match="last_layer_before_norm: true"):
         make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, last_before_norm=False)
     with pytest.raises(ExportError, match="last_layer_before_norm: false"):
