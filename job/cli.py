@@ -3,6 +3,7 @@
     python -m job generate --config configs/demo.yaml --input PROMPTS --output RUN [--limit N]
     python -m job hidden-states --config configs/demo.yaml --output RUN
     python -m job report RUN
+    python -m job export RUN --to {specforge,speculators} --format {dflash,eagle3,conversations} --output DIR
     python -m job status RUN
     python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
@@ -53,6 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
     r.add_argument("run", help="run directory (local or s3://)")
+
+    e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export.py)")
+    e.add_argument("run", help="run directory (local or s3://)")
+    e.add_argument("--to", required=True, choices=("specforge", "speculators"))
+    e.add_argument("--format", required=True, choices=("dflash", "eagle3", "conversations"),
+                   help="dflash / eagle3: hidden-state features; conversations (specforge): the completions as "
+                        "its training conversations JSONL")
+    e.add_argument("--output", required=True, help="export directory (local or s3://)")
+    e.add_argument("--layers", type=int, nargs="+",
+                   help="aux/context layers in our (= SpecForge's) ids, in the trainer's order (default: the run's "
+                        "layers but the model's last)")
+    e.add_argument("--draft-vocab-size", type=int, help="specforge eagle3: d2t/t2d size (default 32000, at most "
+                                                         "the target's vocabulary)")
+    e.add_argument("--target-vocab-size", type=int, help="specforge eagle3: default from the model's config")
 
     t = sub.add_parser("tiny-model", help="build one of the project's tiny models (dense Qwen3, or hybrid Qwen3.5)")
     t.add_argument("--output", required=True)
@@ -126,6 +141,16 @@ def _dispatch(args) -> int:
                   "by layer: " + ", ".join(f"{k}: {v:.1e}" for k, v in result["max_difference_by_layer"].items()))
             return 0
         run_hidden_states(config, allow_drift=args.allow_drift, take_lock=args.take_lock)
+        return 0
+    if args.command == "export":
+        from job.export import export
+
+        summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
+                         draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size)
+        reasons = "; ".join(f"{n} {r}" for r, n in summary["dropped_by_reason"].items())
+        print(f"export: {summary['num_samples']:,} samples → {args.output} ({args.to} {args.format}); "
+              f"dropped {summary['num_dropped']:,}" + (f": {reasons}" if reasons else "") +
+              f"; details in {args.output.rstrip('/')}/export.json")
         return 0
     if args.command == "report":
         from job.report import build_report, format_report

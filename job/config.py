@@ -85,6 +85,11 @@ class HiddenStatesConfig:
     """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]
     (for the last layer that is after the final norm, as in transformers). Negative ids count from the end
     (-1 = last layer)."""
+    last_layer_before_norm: bool = False
+    """Store the model's last layer (when in layer_ids) as the final decoder layer's own output, BEFORE the final
+    norm: what vLLM's aux hidden states and vLLM speculators' last slot hold (`python -m job export --to
+    speculators` needs it). Default false: after the norm, as transformers' output_hidden_states returns it and as
+    SpecForge's EAGLE-3 `hidden_state` wants it. Shard metadata records which (`last_layer_norm`)."""
     max_length: int = 4096
     """Sequences longer than this are clipped (recorded per sample)."""
     backend: str = "transformers"

@@ -48,18 +48,33 @@ def pick_samples(samples: list[Sample], num: int, batch_tokens: int) -> list[Sam
     return sorted(picked, key=lambda s: (-s.num_tokens, s.row))
 
 
-def reference_features(model, samples: list[Sample], layer_ids: list[int]) -> list:
+def reference_features(model, samples: list[Sample], layer_ids: list[int], last_layer_before_norm: bool = False) -> list:
     """float32 CPU tensors [num_tokens, num_layers, hidden], one per sample: `output_hidden_states[k + 1]` of a plain
-    transformers forward of the sample alone (no padding, no packing, no hooks of ours)."""
+    transformers forward of the sample alone (no padding, no packing, no hooks of ours). With
+    `last_layer_before_norm`, the last layer is instead the output of the final decoder layer itself (before the
+    final norm), which output_hidden_states does not return: a forward hook on that layer reads it."""
     import torch
 
-    device = decoder_stack(model).embed_tokens.weight.device
+    stack = decoder_stack(model)
+    device = stack.embed_tokens.weight.device
+    last = len(stack.layers) - 1
+    pre_norm = []
+    hook = stack.layers[last].register_forward_hook(
+        lambda module, args, output: pre_norm.append(output[0] if isinstance(output, tuple) else output)) \
+        if last_layer_before_norm and last in layer_ids else None
     out = []
-    with torch.inference_mode():
-        for s in samples:
-            ids = torch.as_tensor(s.input_ids, dtype=torch.long, device=device)[None]
-            hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
-            out.append(torch.stack([hidden[k + 1][0] for k in layer_ids], dim=1).float().cpu())
+    try:
+        with torch.inference_mode():
+            for s in samples:
+                pre_norm.clear()
+                ids = torch.as_tensor(s.input_ids, dtype=torch.long, device=device)[None]
+                hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                               logits_to_keep=1).hidden_states
+                layers = [pre_norm[0][0] if hook is not None and k == last else hidden[k + 1][0] for k in layer_ids]
+                out.append(torch.stack(layers, dim=1).float().cpu())
+    finally:
+        if hook is not None:
+            hook.remove()
     return out
 
 

@@ -187,18 +187,27 @@ def resolve_layer_ids(layer_ids: Iterable[int], num_layers: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Schema:
+def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, dtype: str,
+                         num_model_layers: int | None = None, last_layer_before_norm: bool = False) -> pa.Schema:
     """One row per sample. `hidden_states` is list<fixed_size_binary(num_layers × hidden × itemsize)>: one
     fixed-size value per token holding that token's [num_layers, hidden] features as raw `dtype` bits, so a
-    sample's features are one contiguous, uncompressed [num_tokens, num_layers, hidden] block in the file."""
+    sample's features are one contiguous, uncompressed [num_tokens, num_layers, hidden] block in the file.
+
+    Metadata records both layer-id conventions: ours (`layer_ids`) and vLLM's (`vllm_layer_ids`, ours + 1), and
+    whether the model's last layer, when captured, is stored after the final norm or before it."""
     width = len(layer_ids) * hidden_size * ITEMSIZE[dtype]
     metadata = {
         schema.META_MODEL: model,
         schema.META_LAYER_IDS: json.dumps(layer_ids),
-        schema.META_LAYER_CONVENTION: schema.LAYER_CONVENTION,
+        schema.META_VLLM_LAYER_IDS: json.dumps([k + 1 for k in layer_ids]),
+        schema.META_LAYER_CONVENTION: (schema.LAYER_CONVENTION_BEFORE_NORM if last_layer_before_norm
+                                       else schema.LAYER_CONVENTION),
+        schema.META_LAST_LAYER_NORM: schema.LAST_BEFORE_NORM if last_layer_before_norm else schema.LAST_AFTER_NORM,
         schema.META_DTYPE: dtype,
         schema.META_HIDDEN_SIZE: str(hidden_size),
     }
+    if num_model_layers is not None:
+        metadata[schema.META_NUM_MODEL_LAYERS] = str(num_model_layers)
     return pa.schema([
         pa.field(schema.ID, pa.string(), nullable=False),
         pa.field(schema.INPUT_IDS, pa.list_(pa.int32())),
@@ -583,14 +592,16 @@ class TransformersExtractor:
     """Forward passes over length-sorted batches, capturing exactly `layer_ids` (resolved) with hooks."""
 
     def __init__(self, model, *, layer_ids: list[int], batch_tokens: int = 16384, min_rms: float = 1e-5,
-                 max_rms: float = 1e4, check: bool = True, attention: str = "auto", gdn: str = "auto"):
+                 max_rms: float = 1e4, check: bool = True, attention: str = "auto", gdn: str = "auto",
+                 last_layer_before_norm: bool = False):
         """`attention`: 'padded' (transformers' SDPA over right-padded rows with a mask), 'packed' (rows
         concatenated with no padding: varlen flash attention, see _packed_attention; recurrent layers once per
         sequence, see PACKABLE_LAYERS) or 'auto' (packed where torch has varlen attention, a GPU, and every
         sequence mixer of the model can be kept exact; else padded). `gdn`, for the Gated DeltaNet layers of a
         packed batch: 'varlen' (one flash-linear-attention call per layer over the whole batch, told the sequence
         bounds: see _varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
-        (varlen on a GPU with flash-linear-attention)."""
+        (varlen on a GPU with flash-linear-attention). `last_layer_before_norm`: the last layer is the final
+        decoder layer's output before the final norm (vLLM's convention) instead of after it."""
         import torch
 
         self.torch = torch
@@ -598,7 +609,9 @@ class TransformersExtractor:
         # Features are stored in the dtype the model computes in (load_model's `dtype`).
         dtype = {v: k for k, v in _DTYPES().items()}[self.stack.embed_tokens.weight.dtype]
         num_layers = len(self.stack.layers)
+        self.num_model_layers = num_layers
         self.layer_ids = resolve_layer_ids(layer_ids, num_layers)
+        self.last_layer_before_norm = last_layer_before_norm
         self.hidden_size = int(self.stack.embed_tokens.weight.shape[1])
         self.dtype, self.batch_tokens = dtype, batch_tokens
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
@@ -640,12 +653,14 @@ class TransformersExtractor:
             warnings.warn(warning, stacklevel=2)
 
         # Hooks: layer k < N-1 → output of decoder layer k; k = N-1 → output of the final norm (transformers'
-        # hidden_states[N]). The hook of the deepest captured layer stops the forward.
+        # hidden_states[N]), or of decoder layer N-1 itself with last_layer_before_norm. The hook of the deepest
+        # captured layer stops the forward.
         self._out = self._gather = None
         last = max(self.layer_ids)
         self._hooks = []
         for slot, k in enumerate(self.layer_ids):
-            module = self.stack.norm if k == num_layers - 1 else self.stack.layers[k]
+            after_norm = k == num_layers - 1 and not last_layer_before_norm
+            module = self.stack.norm if after_norm else self.stack.layers[k]
             self._hooks.append(module.register_forward_hook(self._make_hook(slot, stop=(k == last))))
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -850,17 +865,21 @@ class VllmExtractor:
 
     def __init__(self, model: str, *, layer_ids: list[int], dtype: str = "bfloat16", max_length: int = 4096,
                  engine_kwargs: dict | None = None, shm_dir: str = "/dev/shm/datagen-hidden-states",
-                 min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True):
+                 min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True,
+                 last_layer_before_norm: bool = False):
         from transformers import AutoConfig
         from vllm import LLM
 
         text = AutoConfig.from_pretrained(model).get_text_config()
         num_layers = int(text.num_hidden_layers)
+        self.num_model_layers = num_layers
         self.layer_ids = resolve_layer_ids(layer_ids, num_layers)
-        if num_layers - 1 in self.layer_ids:
+        self.last_layer_before_norm = last_layer_before_norm
+        if num_layers - 1 in self.layer_ids and not last_layer_before_norm:
             raise ValueError(f"hidden_states.backend 'vllm' cannot capture the last layer ({num_layers - 1}): in "
                              "the transformers convention it is taken after the final norm, and vLLM exposes only "
-                             "the residual stream before it. Use the transformers backend or a lower layer.")
+                             "the residual stream before it. Use the transformers backend, a lower layer, or "
+                             "hidden_states.last_layer_before_norm: true (vLLM id N, what speculators stores).")
         self.hidden_size, self.dtype = int(text.hidden_size), dtype
         self.width = len(self.layer_ids) * self.hidden_size * ITEMSIZE[dtype]
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check

@@ -173,7 +173,8 @@ def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
     """What must not change when stage 2 resumes into the same shards."""
     hs = config.hidden_states
     return {"model": config.model, "layer_ids": layer_ids, "dtype": hs.dtype, "max_length": hs.max_length,
-            "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend}
+            "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend,
+            "last_layer_before_norm": hs.last_layer_before_norm}
 
 
 
@@ -248,12 +249,13 @@ class HiddenStateExtractor:
 
             if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
                 model = load_model(self.config.model, dtype=hs.dtype)
-                reference = reference_features(model, check, layer_ids)
+                reference = reference_features(model, check, layer_ids, hs.last_layer_before_norm)
                 del model
                 torch.cuda.empty_cache()
             self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
                                            max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
-                                           min_rms=hs.min_rms, max_rms=hs.max_rms)
+                                           min_rms=hs.min_rms, max_rms=hs.max_rms,
+                                           last_layer_before_norm=hs.last_layer_before_norm)
         else:
             if not torch.cuda.is_available():
                 torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
@@ -261,13 +263,16 @@ class HiddenStateExtractor:
             try:
                 self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
                                                        min_rms=hs.min_rms, max_rms=hs.max_rms,
-                                                       attention=hs.attention)
+                                                       attention=hs.attention,
+                                                       last_layer_before_norm=hs.last_layer_before_norm)
             except ValueError as e:  # attention: packed on a model packing cannot keep exact
                 raise ConfigError(f"config: {e}") from None
             if check:
-                reference = reference_features(model, check, self.extractor.layer_ids)
+                reference = reference_features(model, check, self.extractor.layer_ids, hs.last_layer_before_norm)
         self.schema = hidden_states_schema(model=self.config.model, layer_ids=self.extractor.layer_ids,
-                                           hidden_size=self.extractor.hidden_size, dtype=hs.dtype)
+                                           hidden_size=self.extractor.hidden_size, dtype=hs.dtype,
+                                           num_model_layers=self.extractor.num_model_layers,
+                                           last_layer_before_norm=hs.last_layer_before_norm)
         self.self_check = self._self_check(check, reference) if check else {}
         self.warnings = list(getattr(self.extractor, "warnings", []))
 
@@ -665,17 +670,18 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     config = from_dict(config_dict)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    samples, stored, layer_ids, dtype = [], [], None, None
+    samples, stored, layer_ids, dtype, before_norm = [], [], None, None, False
     for uri in uris:
         table = storage.read_shard(uri, config.storage)
         meta = table.schema.metadata
         layer_ids, dtype = json.loads(meta[schema.META_LAYER_IDS]), meta[schema.META_DTYPE].decode()
+        before_norm = meta.get(schema.META_LAST_LAYER_NORM, b"").decode() == schema.LAST_BEFORE_NORM
         record = next(iter_records(table.slice(0, 1)))
         samples.append(Sample(id=record[schema.ID], input_ids=record[schema.INPUT_IDS].numpy(), num_prompt_tokens=0,
                               original_num_tokens=len(record[schema.INPUT_IDS]), row=len(samples)))
         stored.append(record[schema.HIDDEN_STATES].clone())
     model = load_model(config.model, dtype=dtype)
-    reference = reference_features(model, samples, layer_ids)
+    reference = reference_features(model, samples, layer_ids, before_norm)
     summary = verdict(compare(samples, stored, reference, layer_ids), tolerance_for(dtype, config.hidden_states.check_tolerance),
                       f"stored shards of {config.output}")
     return {**summary, "shards": uris}

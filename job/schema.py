@@ -112,10 +112,20 @@ META_LAYER_IDS = b"layer_ids"
 META_LAYER_CONVENTION = b"layer_convention"
 META_DTYPE = b"dtype"
 META_HIDDEN_SIZE = b"hidden_size"
-# transformers applies the model's final norm to its last hidden_states entry, so the last layer is stored after
-# that norm, exactly as output_hidden_states returns it (vLLM exposes the pre-norm value: its backend refuses it).
+META_NUM_MODEL_LAYERS = b"num_model_layers"  # decoder layers of the model: which id is the last one
+META_LAST_LAYER_NORM = b"last_layer_norm"  # LAST_AFTER_NORM or LAST_BEFORE_NORM
+META_VLLM_LAYER_IDS = b"vllm_layer_ids"  # the same layers in vLLM's / speculators' convention (id = ours + 1)
+# transformers applies the model's final norm to its last hidden_states entry, so by default the last layer is
+# stored after that norm, exactly as output_hidden_states returns it (and as SpecForge's EAGLE-3 `hidden_state`
+# wants it). `hidden_states.last_layer_before_norm` stores the final decoder layer's own output instead, before the
+# norm: what vLLM's aux hidden states and vLLM speculators' last slot hold.
+LAST_AFTER_NORM = "after_norm"
+LAST_BEFORE_NORM = "before_norm"
 LAYER_CONVENTION = ("layer k = output of decoder layer k (0-based) = transformers output_hidden_states[k + 1]; "
                     "the last layer is after the final norm")
+LAYER_CONVENTION_BEFORE_NORM = ("layer k = output of decoder layer k (0-based) = transformers "
+                                "output_hidden_states[k + 1], except the last layer, which is the final decoder "
+                                "layer's output before the final norm; vLLM/speculators id = k + 1")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Run directory layout
