@@ -112,6 +112,8 @@ class Progress:
                 self.recent.popleft()
             self._dirty = True
             finished = self.done_before + self.rows >= self.total_rows
+            if finished:  # the last line counts the engines afresh (lost and replaced ones included)
+                self._engines = (-1e9, None)
             if now - self.last_print >= self.log_every_s or finished:
                 self._emit(now)
             elif self.metrics:
