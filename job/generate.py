@@ -269,7 +269,7 @@ def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa
         # Ray Data adds an actor when its pool's utilization (units in flight / (actors × max_concurrency)) reaches
         # this. Its default, 1.75, assumes actors queue 4 tasks but run 1; ours run all `k` they hold, so the pool
         # is at most 1.0 busy: "every engine full" must be the trigger, or no engine is ever added.
-        ray.data.DataContext.get_current().actor_pool_util_upscaling_threshold = 1.0
+        ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
     # One block per unit: each unit is its own task, so an actor can run `k` of them at once and a failed
     # actor retries exactly its own units.
     ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
