@@ -98,9 +98,11 @@ class EngineCensus:
     replaced: int = 0
 
 
-def engine_census() -> EngineCensus | None:
+def engine_census(since_s: float = 0.0) -> EngineCensus | None:
     """Counted from the GCS actor table (no dashboard needed). None outside Ray. An actor is ALIVE once its
-    __init__ (the engine load) returned; RESTARTING after its process or node died, until Ray starts it again."""
+    __init__ (the engine load) returned; RESTARTING after its process or node died, until Ray starts it again.
+    `since_s`: only actors created after this time (time.time()), i.e. this stage's, not an earlier stage's of the
+    same driver."""
     import ray
 
     if not ray.is_initialized():
@@ -108,7 +110,8 @@ def engine_census() -> EngineCensus | None:
     from ray._private import state
 
     job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    actors = [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")]
+    actors = [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")
+              and (a.get("StartTime") or a.get("Timestamp") or 0) / 1000 >= since_s - 1]
     alive = [a for a in actors if a.get("State") == "ALIVE"]
     restarts = sum(int(a.get("NumRestarts") or 0) for a in actors)
     # A DEAD actor was either let go by Ray Data (scale-down, end of the stage: "references ... removed") or died

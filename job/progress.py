@@ -75,7 +75,8 @@ class Progress:
         self.window_s = window_s
         self.num_engines = num_engines
         self.max_engines = max_engines
-        self.engines_fn = engines_fn if engines_fn is not None else _engine_census
+        started_at = time.time()  # the stage's own engines, not an earlier stage's of this driver
+        self.engines_fn = engines_fn if engines_fn is not None else lambda: _engine_census(started_at)
         self.started = time.monotonic()
         self.window_start: float | None = None  # when the first unit began work (engine start-up excluded)
         self.last_print = float("-inf")
@@ -248,10 +249,10 @@ class Progress:
                 self._emit(time.monotonic())
 
 
-def _engine_census():
+def _engine_census(since_s: float):
     from job.cluster import engine_census
 
-    return engine_census()
+    return engine_census(since_s)
 
 
 class _Metrics:

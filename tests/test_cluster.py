@@ -83,14 +83,20 @@ def _config(tiny_model_dir, s3_server, **overrides):
         "hidden_states.num_workers": 2, **overrides})
 
 
-def _actor_nodes(class_part: str, alive_only: bool = True) -> set[str]:
-    """Nodes of this job's map actors whose class name contains `class_part`."""
+def _actor_nodes(class_part: str, alive_only: bool = True, skip: frozenset = frozenset()) -> set[str]:
+    """Nodes of this job's map actors whose class name contains `class_part`, but for the actor ids in `skip`."""
+    return {node for actor_id, (node, st) in _actors(class_part).items()
+            if actor_id not in skip and node and (st == "ALIVE" or not alive_only)}
+
+
+def _actors(class_part: str) -> dict[str, tuple[str, str]]:
+    """{actor id: (node id, state)} of this job's map actors whose class name contains `class_part`."""
     import ray
     from ray._private import state
 
     job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    return {a["Address"]["NodeID"] for a in state.actors(job_id=job_id).values()
-            if class_part in a.get("ActorClassName", "") and (a.get("State") == "ALIVE" or not alive_only)}
+    return {a["ActorID"]: ((a.get("Address") or {}).get("NodeID"), a.get("State"))
+            for a in state.actors(job_id=job_id).values() if class_part in a.get("ActorClassName", "")}
 
 
 def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server, s3_bucket, tmp_path, capsys):
@@ -115,25 +121,28 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
         run_generate(_config(str(no_weights), s3_server, input=prompts, output=f"s3://{s3_bucket}/runs/bad"))
     assert str(e.value).split("Ray node ")[1][:12] in (node_a.node_id[:12], node_b.node_id[:12])
 
-    # 3. Stage 1 across the nodes, in a thread; this thread plays the cloud: once both GPU nodes run an engine and
-    # shards are landing, node B dies (its raylet and workers killed) and two nodes join.
+    # 3. Stage 1 across the nodes, in a thread; this thread plays the cloud. Once the job has placed its two engines
+    # (min 2 = the GPUs at the start), node C joins: the pool may grow onto it (max 3). Once shards land, a node
+    # whose engine is working dies (raylet and workers killed) and node D joins: the dead engine's units are
+    # retried by its replacement on a joining node.
     output = f"s3://{s3_bucket}/runs/r1"
+    earlier = frozenset(_actors("CompletionGenerator"))  # step 2's engines, which never started
     config = _config(tiny_model_dir, s3_server, input=prompts, output=output)
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(summary=_catch(run_generate, config)), daemon=True)
     job.start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and job.is_alive():
-        shards = storage.list_files(f"{output}/completions", ".arrow", config.storage)
-        if len(shards) >= 2 and _actor_nodes("CompletionGenerator") == {node_a.node_id, node_b.node_id}:
-            break
-        time.sleep(0.5)
-    assert job.is_alive(), f"the job ended before node B could be killed: {result}"
-    engines_before = _actor_nodes("CompletionGenerator")
-    assert engines_before == {node_a.node_id, node_b.node_id}, "an engine on every node with a GPU, none on the head"
-    c.remove_node(node_b, allow_graceful=False)
+    _wait(lambda: _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier) >= {node_a.node_id, node_b.node_id}, job,
+          "two engines placed")
+    placed_first = _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier)
     with _node_environment():
-        joined = [c.add_node(**NODE) for _ in range(2)]
+        node_c = c.add_node(**NODE)
+    _wait(lambda: storage.list_files(f"{output}/completions", ".arrow", config.storage)
+          and _actor_nodes("CompletionGenerator") & {node_a.node_id, node_b.node_id}, job, "a shard and a live engine")
+    victim = node_b if node_b.node_id in _actor_nodes("CompletionGenerator") else node_a
+    survivor = node_a if victim is node_b else node_b
+    c.remove_node(victim, allow_graceful=False)
+    with _node_environment():
+        node_d = c.add_node(**NODE)
     job.join(timeout=420)
     assert not job.is_alive(), "stage 1 did not finish on the remaining and joining nodes"
     summary = result["summary"]
@@ -143,19 +152,20 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     # Every id exactly once; every shard reads whole (a PUT cut short by the node's death leaves no object).
     ids = read_run(output).column("id").to_pylist()
     assert Counter(ids) == Counter(r["id"] for r in rows), "every input id exactly once"
-    # Engines on the joining nodes: the lost engine's replacement and the pool's third engine (min 2 at the start,
-    # max 3); the surviving node and a joining one wrote units.
-    short = {n.node_id: name for n, name in zip([node_a, node_b, *joined], "ABCD")}
-    placed = {short.get(n, n) for n in _actor_nodes("CompletionGenerator", alive_only=False)}
-    worked = {short.get(n, n): units for n, units in summary.units_per_node.items()}
+    # An engine on every GPU node: both at the start (none on the head), then both joining nodes (the lost engine's
+    # replacement and the pool's third); the replacement wrote the units the dead engine held.
+    names = {survivor.node_id: "survivor", victim.node_id: "victim", node_c.node_id: "C", node_d.node_id: "D"}
+    placed = {names.get(n, n) for n in _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier)}
+    worked = {names.get(n, n): units for n, units in summary.units_per_node.items()}
     progress = [line for line in out.splitlines() if line.startswith("[generate] ")]
     why = f"engines placed on {sorted(placed)}, units per node {worked}\n" + "\n".join(progress)
+    assert placed_first == {node_a.node_id, node_b.node_id}, "an engine on each GPU node, none on the head"
     assert {"C", "D"} <= placed, why
-    assert "A" in worked and {"C", "D"} & set(worked), why
-    assert progress[-1].startswith(f"[generate] {NUM_ROWS}/{NUM_ROWS} rows (100.0%)"), progress[-1]
+    assert {"C", "D"} & set(worked), why
+    assert progress[-1].startswith(f"[generate] {NUM_ROWS}/{NUM_ROWS} rows (100.0%)"), why
     lost = [re.search(r"(\d+) lost, (\d+) replaced", line) for line in progress]
     assert any(m and int(m[1]) >= 1 and int(m[2]) >= 1 for m in lost), why
-    assert "engines " in progress[-1] and "/2-3" in progress[-1], progress[-1]
+    assert "/2-3" in progress[-1], why
 
     # A rerun finds nothing to do.
     assert run_generate(config).already_complete
@@ -166,8 +176,16 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     kept = {r["id"] for r in read_run(output).to_pylist() if r["error"] is None}
     assert Counter(r["id"] for r in records) == Counter(kept), "every kept completion's hidden states exactly once"
     extractor_nodes = _actor_nodes("HiddenStateExtractor", alive_only=False)
-    gpu_nodes = {node_a.node_id} | {n.node_id for n in joined}
+    gpu_nodes = {survivor.node_id, node_c.node_id, node_d.node_id}
     assert len(extractor_nodes) == 2 and extractor_nodes <= gpu_nodes, "two extractors, on two GPU nodes"
+
+
+def _wait(condition, job: threading.Thread, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert job.is_alive(), f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
+        time.sleep(0.5)
 
 
 def _catch(fn, *args):
