@@ -40,6 +40,13 @@ NUM_ROWS = 64
 NODE = {"num_cpus": 1, "num_gpus": 1, "object_store_memory": 150 * 1024 * 1024}
 
 
+def _add_node(c, name: str):
+    """A GPU node. Each unpacks the job's working_dir into a folder of its own, as on its own disk: nodes sharing
+    one would unpack over each other's files while their workers run there."""
+    with _node_environment():
+        return c.add_node(**NODE, runtime_env_dir_name=f"runtime_resources_{name}")
+
+
 @contextmanager
 def _node_environment():
     """What the nodes must not inherit from this process (they get it from the job, as on a real cluster): removed
@@ -61,7 +68,7 @@ def cluster(s3_server):
 
     with _node_environment():
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 150 * 1024 * 1024})
-        nodes = [c.add_node(**NODE) for _ in range(2)]
+    nodes = [_add_node(c, name) for name in "AB"]
     c.wait_for_nodes()
     ray.init(address=c.address, runtime_env={"working_dir": str(REPO)}, log_to_driver=True)
     try:
@@ -134,15 +141,13 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     _wait(lambda: _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier) >= {node_a.node_id, node_b.node_id}, job,
           "two engines placed")
     placed_first = _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier)
-    with _node_environment():
-        node_c = c.add_node(**NODE)
+    node_c = _add_node(c, "C")
     _wait(lambda: storage.list_files(f"{output}/completions", ".arrow", config.storage)
           and _actor_nodes("CompletionGenerator") & {node_a.node_id, node_b.node_id}, job, "a shard and a live engine")
     victim = node_b if node_b.node_id in _actor_nodes("CompletionGenerator") else node_a
     survivor = node_a if victim is node_b else node_b
     c.remove_node(victim, allow_graceful=False)
-    with _node_environment():
-        node_d = c.add_node(**NODE)
+    node_d = _add_node(c, "D")
     job.join(timeout=420)
     assert not job.is_alive(), "stage 1 did not finish on the remaining and joining nodes"
     summary = result["summary"]
