@@ -41,7 +41,9 @@ def alive_nodes() -> list[dict]:
 def check_paths_reach_workers(config: RunConfig, paths: dict[str, str | None]) -> None:
     """Refuse local paths that engines on other nodes would need, on a cluster of several nodes. `paths`:
     {what: path}, e.g. {"--output": config.output}. Call it before writing anything."""
-    if config.storage.shared_filesystem:
+    import ray
+
+    if config.storage.shared_filesystem or not ray.is_initialized():  # not joined: a local Ray, one node
         return
     local = {what: p for what, p in paths.items() if p and not storage.is_s3(p)}
     if not local:
