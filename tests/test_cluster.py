@@ -171,6 +171,7 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     lost = [re.search(r"(\d+) lost, (\d+) replaced", line) for line in progress]
     assert any(m and int(m[1]) >= 1 and int(m[2]) >= 1 for m in lost), why
     assert "/2-3" in progress[-1], why
+    print(why)  # shown with -rP: where the engines ran, the progress lines
 
     # A rerun finds nothing to do.
     assert run_generate(config).already_complete
