@@ -70,7 +70,7 @@ class GenerateConfig:
     It is also the pool's minimum: the job waits for that many engines (a lost node's engine waits for a node)."""
     max_engines: int | None = None
     """The engine pool's maximum, for an autoscaling cluster (cluster.yaml's max_workers): while units wait and every
-    engine is full, Ray Data adds engines as GPU nodes join, up to this many. None = the pool stays at its start size."""
+    engine is full, Ray Data adds engines as GPU nodes join, up to this many. None = the pool keeps its start size."""
     max_unit_attempts: int = 3
     """A work unit whose engine actor dies or hangs this many times in one job (an out-of-memory row, a prompt that
     crashes the engine, a hang) is written as error rows ("unit failed N times") instead of being retried for

@@ -194,7 +194,9 @@ class Progress:
             if asked and self.max_engines and self.max_engines > f["engines_asked"]:
                 asked += f"-{self.max_engines}"
             nodes = f.get("engine_nodes")
-            engines = f"engines {f['engines_alive']}{asked}" + (f" on {nodes} node{'s' * (nodes != 1)}" if nodes else "")
+            engines = f"engines {f['engines_alive']}{asked}"
+            if nodes:
+                engines += f" on {nodes} node{'s' * (nodes != 1)}"
             if f.get("engines_lost"):  # a node or an engine process died; Ray restarts its actors elsewhere
                 engines += f", {f['engines_lost']} lost, {f['engines_replaced']} replaced"
             parts.append(engines)

@@ -138,7 +138,8 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(summary=_catch(run_generate, config)), daemon=True)
     job.start()
-    _wait(lambda: _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier) >= {node_a.node_id, node_b.node_id}, job,
+    first_two = {node_a.node_id, node_b.node_id}
+    _wait(lambda: _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier) >= first_two, job,
           "two engines placed")
     placed_first = _actor_nodes("CompletionGenerator", alive_only=False, skip=earlier)
     node_c = _add_node(c, "C")
