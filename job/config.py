@@ -66,7 +66,11 @@ class GenerateConfig:
     """Requests an engine holds at once (running + waiting). None = 2 × the engine's max_num_seqs: a full batch
     plus a full queue behind it. Rows past it wait at the gate in unit order, so older units finish first."""
     num_engines: int | None = None
-    """Engine actors. None = cluster GPUs // tensor_parallel_size, or 1 on a CPU-only cluster."""
+    """Engine actors. None = cluster GPUs // tensor_parallel_size when the job starts, or 1 on a CPU-only cluster.
+    It is also the pool's minimum: the job waits for that many engines (a lost node's engine waits for a node)."""
+    max_engines: int | None = None
+    """The engine pool's maximum, for an autoscaling cluster (cluster.yaml's max_workers): while units wait and every
+    engine is full, Ray Data adds engines as GPU nodes join, up to this many. None = the pool keeps its start size."""
     max_unit_attempts: int = 3
     """A work unit whose engine actor dies or hangs this many times in one job (an out-of-memory row, a prompt that
     crashes the engine, a hang) is written as error rows ("unit failed N times") instead of being retried for
@@ -171,6 +175,10 @@ class RunConfig:
             raise ConfigError("config: `model` is required (a model directory or name)")
         if self.generate.rows_per_shard < 1:
             raise ConfigError("config: generate.rows_per_shard must be >= 1")
+        gen = self.generate
+        if gen.max_engines is not None and (gen.max_engines < 1 or gen.max_engines < (gen.num_engines or 1)):
+            raise ConfigError(f"config: generate.max_engines ({gen.max_engines}) must be >= 1 and >= "
+                              f"generate.num_engines ({gen.num_engines})")
         if self.limit is not None and self.limit < 1:
             raise ConfigError("config: limit must be >= 1")
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)

@@ -154,6 +154,15 @@ def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]
 
 class CompletionGenerator:
     def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = ""):
+        import ray
+
+        from job.cluster import model_missing_here
+
+        missing = model_missing_here(config["model"])  # before the heavy imports: a node without it fails in seconds
+        if missing:
+            raise EngineStartError(missing)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -266,6 +275,7 @@ class CompletionGenerator:
             "num_output_tokens": [sum(r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results)],
             **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
             "seconds": [time.monotonic() - started],
+            "node": [self.node_id],
         }
 
     def _attempts_uri(self, unit: inputs.WorkUnit) -> str:

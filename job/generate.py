@@ -42,6 +42,7 @@ class GenerateSummary:
     generation_seconds: float = 0.0
     already_complete: bool = False
     shards: list[str] = field(default_factory=list)
+    units_per_node: dict[str, int] = field(default_factory=dict)  # Ray node id → units its engines wrote
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -80,6 +81,13 @@ def num_engines(config: RunConfig) -> int:
     return max(1, gpus // config.tensor_parallel_size)
 
 
+def engine_pool(config: RunConfig) -> tuple[int, int]:
+    """(min, max) engines. The minimum is what the cluster holds when the job starts (or generate.num_engines); the
+    maximum is generate.max_engines, for GPU nodes that join while the job runs (an autoscaling cluster)."""
+    low = num_engines(config)
+    return low, max(low, config.generate.max_engines or low)
+
+
 def read_chat_template(config: RunConfig) -> str | None:
     path = config.generate.chat_template
     if not path:
@@ -112,7 +120,13 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
     if not config.input:
         raise ConfigError("no input: pass --input (a folder or s3:// prefix of prompt parquet shards)")
     check_model(config)
+    from job import cluster
     from job.engine import resolved_sampling  # vLLM itself is imported only inside the actors
+
+    # On a cluster, refuse paths the engines' nodes cannot see before anything is written or started.
+    joined_ray = ensure_ray(config) if cluster.joining_cluster() else False
+    cluster.check_paths_reach_workers(config, {"--input": config.input, "--output": config.output,
+                                               "generate.chat_template": config.generate.chat_template})
 
     chat_template = read_chat_template(config)
     sampling = resolved_sampling(config.model, config.generate.sampling)
@@ -165,9 +179,9 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
         import ray
 
-        started_ray = ensure_ray(config)
+        started_ray = ensure_ray(config) or joined_ray
         try:
-            engines = num_engines(config)
+            engines = engine_pool(config)
             _follow(config, _start_pipeline(config, units, carried, chat_template, engines), summary,
                     total_rows, done_rows, run_canary, engines)
         except Exception as e:
@@ -178,7 +192,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         finally:
             if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
                 ray.shutdown()
-        runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines,
+        runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
                                                  "output_tokens_per_s": summary.output_tokens_per_s})
         try:
             report.write_report(config.output, config.storage)
@@ -209,10 +223,10 @@ def _user_error_inside(e: BaseException) -> BaseException | None:
 
 
 def _follow(config: RunConfig, summaries, summary: GenerateSummary, total_rows: int, done_rows: int,
-            run_canary: bool, engines: int) -> None:
+            run_canary: bool, engines: tuple[int, int]) -> None:
     """Consume the per-unit summaries as units finish: progress line, canary decision, totals."""
     with progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
-                           num_engines=engines) as tracker:
+                           num_engines=engines[0], max_engines=engines[1]) as tracker:
         _consume(config, summaries, summary, tracker, run_canary)
 
 
@@ -226,6 +240,7 @@ def _consume(config: RunConfig, summaries, summary: GenerateSummary, tracker: pr
         summary.num_errors += s["num_errors"]
         summary.num_output_tokens += s["num_output_tokens"]
         summary.shards.append(s["shard"])
+        summary.units_per_node[s["node"]] = summary.units_per_node.get(s["node"], 0) + 1
         tracker.update(s)
         if run_canary and canary_rows < config.quality.canary_rows:
             canary_rows += s["num_rows"]
@@ -241,7 +256,7 @@ def _consume(config: RunConfig, summaries, summary: GenerateSummary, tracker: pr
 
 
 def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa.Schema,
-                    chat_template: str | None, n: int):
+                    chat_template: str | None, engines: tuple[int, int]):
     import ray
 
     from job.config import to_dict
@@ -249,6 +264,12 @@ def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa
 
     k = config.generate.units_in_flight_per_engine
     gpus_per_engine = config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0
+    low, high = engines
+    if high > low:
+        # Ray Data adds an actor when its pool's utilization (units in flight / (actors × max_concurrency)) reaches
+        # this. Its default, 1.75, assumes actors queue 4 tasks but run 1; ours run all `k` they hold, so the pool
+        # is at most 1.0 busy: "every engine full" must be the trigger, or no engine is ever added.
+        ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
     # One block per unit: each unit is its own task, so an actor can run `k` of them at once and a failed
     # actor retries exactly its own units.
     ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
@@ -257,7 +278,7 @@ def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa
         fn_constructor_kwargs={"config": to_dict(config), "carried_schema_bytes": carried.serialize().to_pybytes(),
                                "chat_template": chat_template, "job_token": uuid.uuid4().hex},
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=k),
+        compute=ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_tasks_in_flight_per_actor=k),
         max_concurrency=k,
         num_cpus=1,
         num_gpus=gpus_per_engine,

@@ -233,10 +233,14 @@ class HiddenStateExtractor:
         None skips the check."""
         import torch
 
+        from job.cluster import model_missing_here
         from job.config import from_dict
         from job.extractor import TransformersExtractor, load_model
 
         self.config = from_dict(config)
+        missing = model_missing_here(self.config.model)
+        if missing:
+            raise ConfigError(missing)
         self.mode = mode
         hs = self.config.hidden_states
         check = self._check_samples(check_source) if check_source and hs.check_samples else []
@@ -487,6 +491,12 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
 
     started = time.monotonic()
     hs = config.hidden_states
+    from job import cluster
+    from job.generate import ensure_ray
+
+    if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
+        ensure_ray(config)
+        cluster.check_paths_reach_workers(config, {"--output": config.output})
     num_layers, hidden = model_shape(config.model)
     try:
         layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)

@@ -55,14 +55,16 @@ def fmt_duration(seconds: float) -> str:
 class Progress:
     def __init__(self, *, total_rows: int, done_rows: int, label: str, log_every_s: float = 30.0,
                  window_s: float = 300.0, stream=None, num_engines: int | None = None,
-                 engines_fn: Callable[[], int | None] | None = None, heartbeat: bool = True,
-                 metrics: bool = True):
+                 max_engines: int | None = None, engines_fn: Callable[[], object] | None = None,
+                 heartbeat: bool = True, metrics: bool = True):
         """
         total_rows / done_rows: rows of the whole run, and those already done before this job started.
         log_every_s: plain-line interval when the stream is not a terminal.
         window_s: the "now" rate is measured over this many seconds (units finish in bursts; 5 min smooths them).
         num_engines: engines the stage asked for, shown as `alive/asked` when given.
-        engines_fn: returns the engines alive now; default asks Ray's GCS for this job's alive map actors.
+        max_engines: the pool's maximum when it may grow (nodes joining), shown as `alive/asked-max`.
+        engines_fn: returns the engines now, an int (alive) or a cluster.EngineCensus (alive, nodes, lost,
+        replaced); default asks Ray's GCS for this job's map actors.
         """
         self.total_rows = total_rows
         self.done_before = done_rows
@@ -72,14 +74,16 @@ class Progress:
         self.log_every_s = 1.0 if self.tty else log_every_s
         self.window_s = window_s
         self.num_engines = num_engines
-        self.engines_fn = engines_fn if engines_fn is not None else _alive_map_actors
+        self.max_engines = max_engines
+        started_at = time.time()  # the stage's own engines, not an earlier stage's of this driver
+        self.engines_fn = engines_fn if engines_fn is not None else lambda: _engine_census(started_at)
         self.started = time.monotonic()
         self.window_start: float | None = None  # when the first unit began work (engine start-up excluded)
         self.last_print = float("-inf")
         self._dirty = False  # an update arrived since the last printed line
         self.totals: dict[str, int] = {}
         self.recent: deque[tuple[float, int, int]] = deque()  # (time, rows, output tokens) of recent units
-        self._engines: tuple[float, int | None] = (-1e9, None)
+        self._engines: tuple[float, object] = (-1e9, None)
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self.metrics = _Metrics(label) if metrics else None
@@ -109,6 +113,8 @@ class Progress:
                 self.recent.popleft()
             self._dirty = True
             finished = self.done_before + self.rows >= self.total_rows
+            if finished:  # the last line counts the engines afresh (lost and replaced ones included)
+                self._engines = (-1e9, None)
             if now - self.last_print >= self.log_every_s or finished:
                 self._emit(now)
             elif self.metrics:
@@ -147,11 +153,11 @@ class Progress:
                 # Only the flags the stage reports (stage 2 reports none).
                 "flag_rates": {f: self.totals["num_" + f] / ok_rows for f in schema.QUALITY_FLAGS
                                if "num_" + f in self.totals},
-                "engines_alive": self._engines_alive(now),
+                **self._engine_figures(now),
                 "engines_asked": self.num_engines,
             }
 
-    def _engines_alive(self, now: float) -> int | None:
+    def _engine_figures(self, now: float) -> dict:
         checked, value = self._engines
         if now - checked >= 10.0:  # one GCS query per 10 s at most
             try:
@@ -159,7 +165,10 @@ class Progress:
             except Exception:
                 value = None
             self._engines = (now, value)
-        return value
+        if value is None or isinstance(value, int):
+            return {"engines_alive": value}
+        return {"engines_alive": value.alive, "engine_nodes": value.nodes, "engines_lost": value.lost,
+                "engines_replaced": value.replaced}
 
     def line(self, now: float | None = None) -> str:
         f = self.figures(now)
@@ -182,7 +191,15 @@ class Progress:
             parts.append(" ".join(flags))
         if f["engines_alive"] is not None:
             asked = f"/{f['engines_asked']}" if f["engines_asked"] else ""
-            parts.append(f"engines {f['engines_alive']}{asked}")
+            if asked and self.max_engines and self.max_engines > f["engines_asked"]:
+                asked += f"-{self.max_engines}"
+            nodes = f.get("engine_nodes")
+            engines = f"engines {f['engines_alive']}{asked}"
+            if nodes:
+                engines += f" on {nodes} node{'s' * (nodes != 1)}"
+            if f.get("engines_lost"):  # a node or an engine process died; Ray restarts its actors elsewhere
+                engines += f", {f['engines_lost']} lost, {f['engines_replaced']} replaced"
+            parts.append(engines)
         if not bar:
             parts.append(f"elapsed {fmt_duration(f['elapsed_s'])}")
         return " | ".join(parts)
@@ -234,18 +251,10 @@ class Progress:
                 self._emit(time.monotonic())
 
 
-def _alive_map_actors() -> int | None:
-    """This job's alive Ray Data map actors (the engines): an actor is ALIVE once its __init__ (the engine load)
-    returned. None outside Ray. Uses the GCS actor table directly, so it works without the dashboard."""
-    import ray
+def _engine_census(since_s: float):
+    from job.cluster import engine_census
 
-    if not ray.is_initialized():
-        return None
-    from ray._private import state
-
-    job_id = ray.get_runtime_context().get_job_id()
-    actors = state.actors(job_id=ray.JobID.from_hex(job_id), actor_state_name="ALIVE")
-    return sum(1 for a in actors.values() if "MapWorker" in a.get("ActorClassName", ""))
+    return engine_census(since_s)
 
 
 class _Metrics:

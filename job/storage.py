@@ -45,6 +45,10 @@ class StorageConfig:
     """Attempts for transient S3 errors (503 SlowDown, 500, connection reset), with exponential backoff."""
     retry_base_s: float = 0.5
     """First backoff; doubles per attempt with jitter, capped at 20 s."""
+    shared_filesystem: bool = False
+    """Local paths are on a filesystem every node of the Ray cluster mounts at the same path (NFS, FSx, EFS). Without
+    it, a local --input or --output on a cluster of several nodes is refused: engines on other nodes would read
+    and write their own disks."""
 
 
 def is_s3(uri: str) -> bool:

@@ -129,3 +129,23 @@ def test_fmt_duration():
     assert fmt_duration(3 * 3600 + 5 * 60) == "3h05m"
     assert fmt_duration(45 * 3600) == "1d21h"
     assert fmt_duration(float("inf")) == "?"
+
+
+def test_engine_line_on_a_cluster_says_nodes_and_lost_engines():
+    """The census the driver reads from Ray's actor table (job/cluster.py), as the progress line shows it: a pool
+    that may grow (min 8, max 16), the nodes its engines run on, engines lost with a node and their replacements."""
+    from job.cluster import EngineCensus
+
+    census = [EngineCensus(alive=8, nodes=1, lost=0, replaced=0), EngineCensus(alive=7, nodes=1, lost=1, replaced=0),
+              EngineCensus(alive=9, nodes=2, lost=1, replaced=1)]
+    lines = []
+    for c in census:
+        out = io.StringIO()
+        p = Progress(total_rows=100, done_rows=0, label="generate", log_every_s=0, stream=out, num_engines=8,
+                     max_engines=16, engines_fn=lambda c=c: c, heartbeat=False, metrics=False)
+        p.update(unit(rows=10, tokens=100))
+        p.close()
+        lines.append(out.getvalue().strip().splitlines()[-1])
+    assert "| engines 8/8-16 on 1 node |" in lines[0] and "lost" not in lines[0]
+    assert "| engines 7/8-16 on 1 node, 1 lost, 0 replaced |" in lines[1]
+    assert "| engines 9/8-16 on 2 nodes, 1 lost, 1 replaced |" in lines[2]
