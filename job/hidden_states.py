@@ -528,32 +528,33 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
               f"{_human(estimate['pending_bytes'])} still to write", flush=True)
         runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
                                             "status": "running" if pending else "complete"})
-        tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
-                                    done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
-                                    label="hidden-states")
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
         if pending:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            try:
-                for s in _pipeline(config, pending, layer_ids, "write").iter_rows():
-                    for line in json.loads(s["warnings"])["lines"]:
-                        print(f"WARNING: {line}", flush=True)
-                    check = json.loads(s["self_check"])
-                    if check:
-                        print(f"exactness self-check passed ({check['where']}): {check['num_samples']} samples of "
-                              f"this run, batched vs each alone in a plain transformers forward, differ by at most "
-                              f"{check['max_difference']:.2e} (tolerance {check['tolerance']:.0e})", flush=True)
-                        this_run.setdefault("self_checks", []).append(check)
-                    tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
-                                    "num_errors": s["num_errors"]})
-                    this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
-                    this_run["bytes_written"] += s["bytes_written"]
-            except Exception as e:
-                cause = _unwrap(e)
-                if cause is not None:
-                    raise type(cause)(str(cause)) from None
-                raise
-            tracker.close()
+            # `with`: the heartbeat thread stops however the loop ends (an error, a self-check refusal).
+            with progress.Progress(total_rows=sum(u.num_rows for u in units),
+                                   done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
+                                   label="hidden-states") as tracker:
+                try:
+                    for s in _pipeline(config, pending, layer_ids, "write").iter_rows():
+                        for line in json.loads(s["warnings"])["lines"]:
+                            print(f"WARNING: {line}", flush=True)
+                        check = json.loads(s["self_check"])
+                        if check:
+                            print(f"exactness self-check passed ({check['where']}): {check['num_samples']} samples "
+                                  f"of this run, batched vs each alone in a plain transformers forward, differ by at "
+                                  f"most {check['max_difference']:.2e} (tolerance {check['tolerance']:.0e})",
+                                  flush=True)
+                            this_run.setdefault("self_checks", []).append(check)
+                        tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
+                                        "num_errors": s["num_errors"]})
+                        this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
+                        this_run["bytes_written"] += s["bytes_written"]
+                except Exception as e:
+                    cause = _unwrap(e)
+                    if cause is not None:
+                        raise type(cause)(str(cause)) from None
+                    raise
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import subprocess
 import sys
@@ -288,6 +289,8 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     capsys.readouterr()
     summary = run_hidden_states(config)
     assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    # No progress heartbeat outlives a run (a finished rerun used to leave one printing until the process exited).
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("progress-")]
     files = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
     config.limit = 10
     summary = run_hidden_states(config)
