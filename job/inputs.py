@@ -123,7 +123,7 @@ def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]
     else:
         raise InputError(f"input {uri}: no such file or directory")
     if not stats:
-        raise InputError(f"input {uri}: no input files found (names ending in {', '.join(ALL_SUFFIXES)})")
+        raise InputError(f"input {uri}: no .parquet files found (nor {', '.join(ALL_SUFFIXES[1:])} files)")
     formats = {format_of(u) for u in stats}
     if len(formats) > 1:
         examples = {format_of(u): u for u in stats}
@@ -229,8 +229,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
         if ids is None:
             raise InputError(f"input file {f.uri} has no `{schema.ID}` column (columns: {s.names})")
         if not any(c in s.names for c in schema.CONVERSATION_COLUMNS):
-            raise InputError(f"input file {f.uri} has neither a `{schema.PROMPT}` nor a `{schema.MESSAGES}` (or "
-                             f"ShareGPT `{schema.CONVERSATIONS}`) column (columns: {s.names})")
+            raise InputError(f"input file {f.uri} has neither a `{schema.PROMPT}` nor a `{schema.MESSAGES}` column "
+                             f"(nor ShareGPT `{schema.CONVERSATIONS}`; columns: {s.names})")
         first = files[0].uri
         if f.format != "jsonl" and not s.remove_metadata().equals(schemas.get(first, s).remove_metadata()):
             raise InputError(f"input files disagree on their schema: {first} has {schemas[first]} but {f.uri} has {s}")
