@@ -34,7 +34,7 @@ def _setup(num_prompts: int, workdir: str):
 
     model = str(REPO / TINY_MODEL_DIR)
     ensure_tiny_model(model)
-    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, 4)
+    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, 4, num_conversations=0)
     config = load_config(str(REPO / "configs/demo.yaml"), model=model, input=prompts,
                          output=os.path.join(workdir, "run"))
     return config
