@@ -279,7 +279,8 @@ class CompletionGenerator:
         await asyncio.to_thread(self._forget_attempts, unit)
         return {
             "shard": [unit.shard_name],
-            "num_rows": [len(rows)],
+            "num_rows": [len(rows)],  # input rows: progress and --limit count these
+            "num_outputs": [len(results)],  # output rows: one per generated turn (generate.regenerate)
             "num_errors": [sum(r[schema.ERROR] is not None for r in results)],
             "num_prompt_tokens": [sum(r[schema.NUM_PROMPT_TOKENS] or 0 for r in results)],
             "num_output_tokens": [sum(r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results)],

@@ -295,9 +295,20 @@ def expected_targets(rows: list[dict], mode: str) -> dict[str, tuple[prompts.Tar
 
 
 def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer):
+    import ray
+
     from job.generate import run_generate
     from job.hidden_states import load, run_hidden_states
 
+    # One Ray for the three runs (each job would start and stop its own: ~30 s each on this machine).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states)
+    finally:
+        ray.shutdown()
+
+
+def _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states):
     rows = conversation_rows(12)
     bad = {"two_users", "tool_without_call", "empty_user"}
     rows += [{"id": name, "messages": BAD_CONVERSATIONS[name][0], "topic": "bad"} for name in sorted(bad)]
@@ -314,7 +325,7 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer):
 
     table = read_run(config.output)
     want = expected_targets(rows, "every_assistant_turn")
-    assert Counter(table.column("id").to_pylist()) == Counter(want), "every expected id exactly once"
+    assert Counter(table.column("id").to_pylist()) == Counter(list(want)), "every expected id exactly once"
     assert len(want) > len(rows)  # turns expanded
     for row in table.to_pylist():
         expected = want[row["id"]]
