@@ -314,8 +314,13 @@ def _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate,
     rows += [{"id": name, "messages": BAD_CONVERSATIONS[name][0], "topic": "bad"} for name in sorted(bad)]
     inp = tmp_path / "in.jsonl"
     inp.write_text(jsonl_text(rows))
+    # The tiny model's template ignores `tools`; this one (its own, after a tool list) shows they reach it.
+    template = "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}" + \
+        tokenizer.chat_template
+    (tmp_path / "template.jinja").write_text(template)
     config = make_config(input=str(inp), output=str(tmp_path / "run"), limit=6,
-                         **{"generate.rows_per_shard": 4, "generate.regenerate": "every_assistant_turn",
+                         **{"generate.chat_template": str(tmp_path / "template.jinja"),
+                            "generate.rows_per_shard": 4, "generate.regenerate": "every_assistant_turn",
                             "generate.sampling": {"max_tokens": 24}, "quality.canary_rows": 0,
                             "hidden_states.layer_ids": [0, -1], "hidden_states.rows_per_shard": 16})
     run_generate(config)  # the first 6 rows, then the rest: every id exactly once across both runs
@@ -335,20 +340,29 @@ def _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate,
         target, tools = expected
         assert row["error"] is None, row["error"]
         assert row["prompt_token_ids"] == prompts.render_prompt_ids(
-            tokenizer, target.history, chat_template=None, enable_thinking=True, chat_template_kwargs={},
+            tokenizer, target.history, chat_template=template, enable_thinking=True, chat_template_kwargs={},
             tools=tools), f"{row['id']}: the history as the data has it, with its tools"
         assert row["turn"] == target.turn
         original = None if target.original is None else len(tokenizer(
             prompts.original_turn_text(target.original), add_special_tokens=False)["input_ids"])
         assert row["original_turn_tokens"] == original
         assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
-    assert "weather" in tokenizer.decode(table.filter(pa.compute.equal(table.column("id"), "c00002#1"))
-                                         .column("prompt_token_ids")[0].as_py()), "tools reach the template"
+    assert "<tools>weather </tools>" in tokenizer.decode(
+        table.filter(pa.compute.equal(table.column("id"), "c00002#1")).column("prompt_token_ids")[0].as_py())
+
+    # The notebook's per-turn table: rows per turn and the originals' mean length, from the shards.
+    from job import inspect as ji
+
+    per_turn = {t["turn"]: t for t in ji.turn_lengths(ji.read_rows(config.output))}
+    good = [r for r in table.to_pylist() if r["error"] is None]
+    assert {k: v["rows"] for k, v in per_turn.items()} == dict(Counter(r["turn"] for r in good))
+    originals = [r["original_turn_tokens"] for r in good if r["turn"] == 1 and r["original_turn_tokens"] is not None]
+    assert per_turn[1]["original_tokens"] == pytest.approx(sum(originals) / len(originals))
+    assert "turn" in ji.format_turn_lengths(list(per_turn.values()))
 
     # Stage 2: one sample per output row, turn ids and all.
     run_hidden_states(config)
     samples = {s["id"]: s for s in load(config.output)}
-    good = [r for r in table.to_pylist() if r["error"] is None]
     assert set(samples) == {r["id"] for r in good}
     for r in good:
         assert samples[r["id"]]["input_ids"].tolist() == r["prompt_token_ids"] + r["output_token_ids"]
