@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import time
 from collections import Counter
 
 import pyarrow as pa
@@ -216,6 +217,7 @@ def test_jsonl_and_save_to_disk_on_s3(s3_bucket, tmp_path, monkeypatch):
     recorded = inputs.describe_files(files, f"s3://{s3_bucket}/in-jsonl", digests)
     with open(forms["jsonl"], "rb") as f:
         data = f.read().replace(b'"c00001"', b'"x00001"')
+    time.sleep(1.1)  # S3's LastModified has 1 s resolution: a re-upload is told by its new time, then its ids
     storage.write_bytes_atomic(f"s3://{s3_bucket}/in-jsonl/rows.jsonl", data, SC)
     with pytest.raises(inputs.InputError, match="other ids or another order"):
         inputs.check_unchanged(recorded, inputs.list_input_files(f"s3://{s3_bucket}/in-jsonl", SC),
