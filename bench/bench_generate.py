@@ -35,7 +35,8 @@ def _setup(num_prompts: int, workdir: str, config_path: str | None = None, overr
     from job.demo import TINY_MODEL_DIR, write_demo_prompts
     from job.tiny_model import ensure_tiny_model
 
-    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, max(4, num_prompts // 256))
+    prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, max(4, num_prompts // 256),
+                                 num_conversations=0)
     if config_path is None:
         model = str(REPO / TINY_MODEL_DIR)
         ensure_tiny_model(model)

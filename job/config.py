@@ -40,6 +40,9 @@ class QualityConfig:
     canary_max_error: float = 0.5
 
 
+REGENERATE_MODES = ("last_turn", "every_assistant_turn")
+
+
 @dataclass(kw_only=True)
 class GenerateConfig:
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +54,12 @@ class GenerateConfig:
     renders a different generation prompt than the model's template would)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template."""
+    regenerate: str = "last_turn"
+    """Which assistant turns of a conversation are generated. `last_turn`: one output row per input row, the
+    assistant turn after the last message (a trailing assistant message in the data is dropped and regenerated).
+    `every_assistant_turn`: one output row per assistant turn of the data (plus one after a final user or tool
+    message), each generated on the history before it as the data has it; ids become "{id}#{turn}". Both keep
+    the turn index (`turn`) and the data's own length of that turn (`original_turn_tokens`)."""
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
     per_request_seed: bool | None = None
@@ -156,7 +165,8 @@ class RunConfig:
     model: str
     """Local path, s3:// URI staged to local disk, or a hub name (clusters only)."""
     input: str | None = None
-    """Folder or prefix of prompt parquet shards (local or s3://)."""
+    """Folder, file or s3:// prefix of prompts: parquet, JSONL (.jsonl/.jsonl.gz/.jsonl.zst) or Arrow
+    (a `datasets.save_to_disk` directory or .arrow files)."""
     output: str
     """Run directory (local or s3://)."""
     limit: int | None = None
@@ -179,6 +189,9 @@ class RunConfig:
         if gen.max_engines is not None and (gen.max_engines < 1 or gen.max_engines < (gen.num_engines or 1)):
             raise ConfigError(f"config: generate.max_engines ({gen.max_engines}) must be >= 1 and >= "
                               f"generate.num_engines ({gen.num_engines})")
+        if gen.regenerate not in REGENERATE_MODES:
+            raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
+                              f"got {gen.regenerate!r}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError("config: limit must be >= 1")
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)

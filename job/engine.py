@@ -241,13 +241,13 @@ class CompletionGenerator:
             self.gate = asyncio.Semaphore(self.max_rows_in_flight)
         for i in range(len(batch["file_uri"])):
             unit = inputs.WorkUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
-                                   int(batch["start"][i]), int(batch["stop"][i]))
+                                   int(batch["start"][i]), int(batch["stop"][i]),
+                                   int(batch["seek_row"][i]), int(batch["seek_byte"][i]))
             yield await self._run_unit(unit)
 
     async def _run_unit(self, unit: inputs.WorkUnit) -> dict[str, list]:
         started = time.monotonic()
-        table = await asyncio.to_thread(inputs.read_rows, unit.file_uri, self.config.storage,
-                                        None, unit.start, unit.stop)
+        table = await asyncio.to_thread(inputs.read_unit, unit, self.config.storage, self.carried_schema)
         rows, undecodable = _decode_rows(table)
         attempts = await asyncio.to_thread(self._count_attempt, unit)
         limit = self.config.generate.max_unit_attempts
@@ -257,19 +257,39 @@ class CompletionGenerator:
                 undecodable.setdefault(i, f"unit failed {limit} times: its engine actor died or hung every time "
                                           "(out of memory, an engine crash, a hang); not generated. Delete this "
                                           "shard and rerun to try again")
-        results = await asyncio.gather(*(self._run_row(row) if i not in undecodable else
-                                         self._error_row(row, undecodable[i]) for i, row in enumerate(rows)))
+        # One input row → one output row per turn to generate (generate.regenerate); `source` maps them back.
+        jobs, source = [], []
+        for i, row in enumerate(rows):
+            if i in undecodable:
+                jobs.append(self._error_row(row, undecodable[i]))
+                source.append(i)
+                continue
+            try:
+                messages = prompts.row_messages(row)
+                tools = prompts.row_tools(row)
+                targets = prompts.regeneration_targets(str(row[schema.ID]), messages, self.config.generate.regenerate)
+            except prompts.RowError as e:  # a bad conversation: one error row under the row's own id
+                jobs.append(self._error_row(row, str(e)))
+                source.append(i)
+                continue
+            for target in targets:
+                jobs.append(self._run_row(target, tools))
+                source.append(i)
+        results = await asyncio.gather(*jobs)
         if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard
             mask = pa.array([i in undecodable for i in range(table.num_rows)])
             table = pa.table({name: pc.if_else(mask, pa.nulls(table.num_rows, col.type), col) if name != schema.ID
                               else col for name, col in zip(table.column_names, table.columns)})
+        if source != list(range(table.num_rows)):  # carried columns repeated for each turn of a conversation
+            table = table.take(pa.array(source, pa.int64()))
         out = self._to_table(table, results)
         uri = storage.join(self.config.output, schema.COMPLETIONS_DIR, unit.shard_name)
         await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
         await asyncio.to_thread(self._forget_attempts, unit)
         return {
             "shard": [unit.shard_name],
-            "num_rows": [len(rows)],
+            "num_rows": [len(rows)],  # input rows: progress and --limit count these
+            "num_outputs": [len(results)],  # output rows: one per generated turn (generate.regenerate)
             "num_errors": [sum(r[schema.ERROR] is not None for r in results)],
             "num_prompt_tokens": [sum(r[schema.NUM_PROMPT_TOKENS] or 0 for r in results)],
             "num_output_tokens": [sum(r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results)],
@@ -301,16 +321,15 @@ class CompletionGenerator:
     async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
         return _error_result(str(row[schema.ID]), error)
 
-    async def _run_row(self, row: dict[str, Any]) -> dict[str, Any]:
+    async def _run_row(self, target: prompts.Target, tools: list[dict] | None) -> dict[str, Any]:
         gen = self.config.generate
-        row_id = str(row[schema.ID])
+        row_id = target.id
         result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
         result[schema.ID] = row_id
         try:
-            messages = prompts.row_messages(row)
             prompt_ids = prompts.render_prompt_ids(
-                self.tokenizer, messages, chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
-                chat_template_kwargs=gen.chat_template_kwargs)
+                self.tokenizer, target.history, chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
+                chat_template_kwargs=gen.chat_template_kwargs, tools=tools)
             if len(prompt_ids) >= self.max_model_len:
                 raise prompts.RowError(f"prompt too long: {len(prompt_ids)} tokens, the model allows "
                                        f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
@@ -320,6 +339,10 @@ class CompletionGenerator:
         except Exception as e:  # a template that raises on this row (e.g. Jinja's raise_exception)
             result[schema.ERROR] = f"chat template failed: {type(e).__name__}: {e}"
             return result
+        result[schema.TURN] = target.turn
+        if target.original is not None:
+            result[schema.ORIGINAL_TURN_TOKENS] = len(self.tokenizer(prompts.original_turn_text(target.original),
+                                                                     add_special_tokens=False)["input_ids"])
 
         seed = prompts.row_seed(gen.seed, row_id)
         params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))

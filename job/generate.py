@@ -1,4 +1,4 @@
-"""Stage 1: prompt parquet shards → vLLM engine actors → completion shards.
+"""Stage 1: prompt shards (parquet, JSONL, Arrow) → vLLM engine actors → completion shards.
 
     python -m job generate --config configs/demo.yaml --output demo-run
 
@@ -11,6 +11,7 @@ Nothing is materialized on the driver: it holds the unit list (one small record 
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import re
@@ -118,7 +119,8 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
     refused either way."""
     started = time.monotonic()
     if not config.input:
-        raise ConfigError("no input: pass --input (a folder or s3:// prefix of prompt parquet shards)")
+        raise ConfigError("no input: pass --input (a folder, file or s3:// prefix of prompts: parquet, JSONL or "
+                          "Arrow / datasets.save_to_disk)")
     check_model(config)
     from job import cluster
     from job.engine import resolved_sampling  # vLLM itself is imported only inside the actors
@@ -133,9 +135,10 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
 
     # 1. Input: list files and read their footers (cheap), validate ids once per run.
     files = inputs.list_input_files(config.input, config.storage)
-    note = inputs.row_group_note(files, config.generate.rows_per_shard)
-    if note:
-        print(note, flush=True)
+    for note in (inputs.row_group_note(files, config.generate.rows_per_shard),
+                 inputs.compressed_note(files, config.generate.rows_per_shard)):
+        if note:
+            print(note, flush=True)
     previous = runs.read_run_json(config.output, config.storage)
     fingerprint = inputs.fingerprint(files)
     ident = runs.identity(config, sampling, chat_template, fingerprint)
@@ -146,7 +149,13 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         else:  # a run directory from before files were recorded
             file_records = inputs.describe_files(files, config.input, {})
         runs.check_drift(previous["generate"].get("identity", {}), ident, allow_drift)
-        carried = inputs.read_schema(files[0].uri, config.storage)
+        recorded_schema = previous["generate"].get("input", {}).get("columns")
+        if recorded_schema:  # the columns validation found (JSONL's are the keys of all rows: no re-parse)
+            carried = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(recorded_schema)))
+        elif files[0].format == "jsonl":  # cannot happen for runs of this version; validate again, it is safe
+            carried = inputs.validate_input(files, config.storage)
+        else:
+            carried = inputs.read_schema(files[0].uri, config.storage)
     else:
         digests: dict[str, str] = {}
         carried = inputs.validate_input(files, config.storage, ids_digests=digests)
@@ -165,8 +174,9 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                                      first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
         summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
         runs.write_run_json(config, "generate", {
-            "identity": ident, "input": {"uri": config.input, "num_files": len(files), "num_rows": total_rows,
-                                         "files": file_records},
+            "identity": ident, "input": {"uri": config.input, "format": files[0].format, "num_files": len(files),
+                                         "num_rows": total_rows, "files": file_records,
+                                         "columns": base64.b64encode(carried.serialize().to_pybytes()).decode()},
             "sampling": sampling, "status": "running" if units else "complete"})
         if not units:
             summary.already_complete = True

@@ -1,5 +1,10 @@
 """Input prompt shards: listing, up-front validation, and the work units of a run.
 
+Formats: parquet, JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, job/jsonl_input.py) and Arrow IPC
+(`datasets.save_to_disk` directories and `.arrow` files, job/arrow_input.py), local or s3://. Everything here is
+the same for all three: each file has a row count from the scan, rows are addressed by position, and a unit
+reads only its range (`read_unit`). One input is one format.
+
 A *work unit* is a row range of one input file: `(file_index, start, stop)`. It becomes exactly one output
 shard named `f{file_index:05d}-r{start:010d}-{stop:010d}.arrow`, so the run directory's listing alone says
 which rows are done. Resuming = listing the output, subtracting the covered row ranges from the wanted
@@ -12,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from job import schema, storage
+from job import arrow_input, jsonl_input, schema, storage
 from job.storage import StorageConfig
 
 
@@ -37,6 +42,11 @@ class InputFile:
     mtime: float | None = None
     """Last modification (S3: LastModified), seconds since the epoch."""
     max_row_group_rows: int = 0
+    """Largest parquet row group / Arrow record batch (0 for JSONL)."""
+    format: str = "parquet"
+    """parquet, jsonl or arrow."""
+    checkpoints: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    """Plain JSONL: byte offset of every jsonl_input.CHECKPOINT_ROWS-th row, so a unit can seek to its rows."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,9 @@ class WorkUnit:
     file_uri: str
     start: int
     stop: int
+    seek_row: int = 0
+    seek_byte: int = 0
+    """Plain JSONL: read from this byte offset, where row `seek_row` (a checkpoint at or before `start`) begins."""
 
     @property
     def shard_name(self) -> str:
@@ -71,8 +84,17 @@ def parse_shard_name(name: str) -> tuple[int, int, int] | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+FORMATS = {"parquet": (".parquet",), "jsonl": jsonl_input.SUFFIXES, "arrow": arrow_input.SUFFIXES}
+ALL_SUFFIXES = tuple(x for suffixes in FORMATS.values() for x in suffixes)
+
+
+def format_of(uri: str) -> str | None:
+    return next((name for name, suffixes in FORMATS.items() if uri.endswith(suffixes)), None)
+
+
 def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]:
-    """Every .parquet file under `uri` (a folder, a single file or an S3 prefix), with row counts from footers."""
+    """Every input file under `uri` (a folder, a single file or an S3 prefix) with its row count: parquet from its
+    footer, Arrow from its batch headers, JSONL by counting lines (one streaming pass, see job/jsonl_input.py)."""
     storage.check_reachable(uri, storage_config)
     fs, path = storage.resolve(uri, storage_config)
     try:
@@ -80,27 +102,63 @@ def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]
     except OSError as e:
         raise InputError(f"input {uri}: cannot be read: {_short(e)}") from None
     if info.type == pafs.FileType.File:
+        if format_of(uri) is None:
+            raise InputError(f"input {uri}: not a supported input file (names end in {', '.join(ALL_SUFFIXES)})")
         stats = {uri: (int(info.size or 0), info.mtime.timestamp() if info.mtime else None)}
     elif info.type == pafs.FileType.Directory or storage.is_s3(uri):
         try:
-            stats = {storage.join(uri, name): (size, mtime)
-                     for name, size, mtime in storage.list_file_infos(uri, ".parquet", storage_config)}
+            if storage.exists(storage.join(uri, "dataset_dict.json"), storage_config):
+                raise InputError(f"input {uri} is a DatasetDict (it has dataset_dict.json): point the input at one "
+                                 "split's directory, e.g. {uri}/train".replace("{uri}", uri))
+            listed = {name: (size, mtime)
+                      for name, size, mtime in storage.list_file_infos(uri, ALL_SUFFIXES, storage_config)}
+            names = list(listed)
+            if names and all(format_of(n) == "arrow" for n in names):
+                names = arrow_input.ordered_names(uri, names, storage_config)
+            stats = {storage.join(uri, name): listed[name] for name in names}
         except OSError as e:  # e.g. the bucket does not exist
             raise InputError(f"input {uri}: cannot be listed: {_short(e)}") from None
+        except ValueError as e:
+            raise InputError(str(e)) from None
     else:
         raise InputError(f"input {uri}: no such file or directory")
     if not stats:
-        raise InputError(f"input {uri}: no .parquet files found")
+        raise InputError(f"input {uri}: no .parquet files found (nor {', '.join(ALL_SUFFIXES[1:])} files)")
+    formats = {format_of(u) for u in stats}
+    if len(formats) > 1:
+        examples = {format_of(u): u for u in stats}
+        raise InputError(f"input {uri} mixes formats ({', '.join(f'{k}: {v}' for k, v in sorted(examples.items()))}); "
+                         "one input is one format")
+    fmt = formats.pop()
 
-    def footer(u: str) -> InputFile:
-        meta = _read_metadata(u, storage_config)
+    def scan(u: str) -> InputFile:
         size, mtime = stats[u]
-        return InputFile(uri=u, num_rows=meta.num_rows, size=size, mtime=mtime,
-                         max_row_group_rows=max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)),
-                                                default=0))
+        if fmt == "parquet":
+            meta = _read_metadata(u, storage_config)
+            return InputFile(uri=u, num_rows=meta.num_rows, size=size, mtime=mtime, max_row_group_rows=max(
+                (meta.row_group(g).num_rows for g in range(meta.num_row_groups)), default=0))
+        try:
+            if fmt == "arrow":
+                _, num_rows, max_batch = arrow_input.scan(u, storage_config)
+                return InputFile(uri=u, num_rows=num_rows, size=size, mtime=mtime, max_row_group_rows=max_batch,
+                                 format=fmt)
+            num_rows, checkpoints = jsonl_input.scan(u, storage_config)
+            return InputFile(uri=u, num_rows=num_rows, size=size, mtime=mtime, format=fmt, checkpoints=checkpoints)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input file {u} is not a readable {fmt} file: {_short(e)}") from None
 
     with ThreadPoolExecutor(16) as pool:  # footers are tiny; S3 latency dominates, so read them in parallel
-        return list(pool.map(footer, list(stats)))
+        return list(pool.map(scan, list(stats)))
+
+
+def compressed_note(files: list[InputFile], rows_per_shard: int) -> str | None:
+    """A note when compressed JSONL files are large: every unit decompresses its file from the start."""
+    big = [f for f in files if jsonl_input.codec_of(f.uri) and f.num_rows > 64 * rows_per_shard]
+    if not big:
+        return None
+    return (f"note: {len(big)} compressed JSONL file(s) hold more than {64 * rows_per_shard:,} rows (e.g. {big[0].uri}: "
+            f"{big[0].num_rows:,}); a compressed file cannot seek, so each unit decompresses it from the start up "
+            "to its rows. Decompressing it once (plain .jsonl seeks) or splitting it saves that work.")
 
 
 def row_group_note(files: list[InputFile], rows_per_shard: int) -> str | None:
@@ -130,7 +188,29 @@ def _short(e: Exception) -> str:
 
 
 def read_schema(uri: str, storage_config: StorageConfig) -> pa.Schema:
+    """Columns of a parquet or Arrow file (JSONL's come from validation: `validate_input`)."""
+    if format_of(uri) == "arrow":
+        try:
+            return arrow_input.scan(uri, storage_config)[0]
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input file {uri} is not a readable Arrow file: {_short(e)}") from None
     return _read_metadata(uri, storage_config).schema.to_arrow_schema()
+
+
+def _schema_and_ids(f: InputFile, storage_config: StorageConfig) -> tuple[pa.Schema, pa.Array | None]:
+    """(columns, ids) of one file; ids None when there is no id column."""
+    if f.format == "jsonl":
+        try:
+            ids, keys = jsonl_input.read_ids(f.uri, storage_config)
+        except ValueError as e:  # a line that is not a JSON object
+            raise InputError(str(e)) from None
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input file {f.uri} could not be read: {_short(e)}") from None
+        return jsonl_input.table_schema(keys), ids if schema.ID in keys else None
+    s = read_schema(f.uri, storage_config)
+    if schema.ID not in s.names:
+        return s, None
+    return s, read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID).combine_chunks()
 
 
 def validate_input(files: list[InputFile], storage_config: StorageConfig,
@@ -138,30 +218,23 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
     """Refuse input that cannot be processed at all; return the schema of the carried columns. `ids_digests`,
     when given, receives each file's ids digest (see `ids_digest`), computed from the ids read here anyway.
 
-    Checks: every file has `id` and `prompt` or `messages`, and the same schema; ids are never null and unique
-    across the whole input. The id check reads the `id` column of every file (~1 s per 10M integer ids); it runs
-    on a run's first start only (run.json records it).
+    Checks: every file has `id` and `prompt`, `messages` or `conversations`, and the same schema (JSONL: the
+    union of all keys); ids are never null and unique across the whole input. The id check reads the `id` column
+    of every file (~1 s per 10M integer parquet ids; JSONL parses every line, docs/BENCHMARKS.md); it runs on a
+    run's first start only (run.json records the result and the columns).
     """
-    schemas = {}
+    schemas, hashes = {}, []
     for f in files:
-        s = read_schema(f.uri, storage_config)
-        if schema.ID not in s.names:
+        s, ids = _schema_and_ids(f, storage_config)
+        if ids is None:
             raise InputError(f"input file {f.uri} has no `{schema.ID}` column (columns: {s.names})")
-        if schema.PROMPT not in s.names and schema.MESSAGES not in s.names:
+        if not any(c in s.names for c in schema.CONVERSATION_COLUMNS):
             raise InputError(f"input file {f.uri} has neither a `{schema.PROMPT}` nor a `{schema.MESSAGES}` column "
-                             f"(columns: {s.names})")
+                             f"(nor ShareGPT `{schema.CONVERSATIONS}`; columns: {s.names})")
+        first = files[0].uri
+        if f.format != "jsonl" and not s.remove_metadata().equals(schemas.get(first, s).remove_metadata()):
+            raise InputError(f"input files disagree on their schema: {first} has {schemas[first]} but {f.uri} has {s}")
         schemas[f.uri] = s
-    first = files[0].uri
-    for uri, s in schemas.items():
-        if not s.remove_metadata().equals(schemas[first].remove_metadata()):
-            raise InputError(f"input files disagree on their schema: {first} has {schemas[first]} but {uri} has {s}")
-
-    # Uniqueness in ~8 bytes per id: a 64-bit hash per id (file by file), one sort, then an exact recheck of
-    # the few ids whose hashes collide. Arrow's own hash table needs ~100 bytes per id (1 GB at 10M ids,
-    # docs/BENCHMARKS.md); this needs ~160 MB.
-    hashes = []
-    for f in files:
-        ids = read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID)
         if ids.null_count:
             raise InputError(f"input file {f.uri}: {ids.null_count} row(s) have a null `{schema.ID}`; every row "
                              "needs an id")
@@ -170,15 +243,24 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
             if nan:
                 raise InputError(f"input file {f.uri}: {nan} row(s) have a NaN `{schema.ID}`; every row needs an "
                                  "id (floating-point ids are fragile: prefer strings or integers)")
-        hashes.append(_hash64(ids.combine_chunks()))
+        # Uniqueness in ~8 bytes per id: a 64-bit hash per id (file by file), one sort, then an exact recheck of
+        # the few ids whose hashes collide. Arrow's own hash table needs ~100 bytes per id (1 GB at 10M ids,
+        # docs/BENCHMARKS.md); this needs ~160 MB.
+        hashes.append(_hash64(ids))
         if ids_digests is not None:
             ids_digests[f.uri] = _digest(hashes[-1])
+        del ids
+    if files[0].format == "jsonl":  # JSON rows need not share keys: the columns are all keys of all files
+        return_schema = jsonl_input.table_schema(list(dict.fromkeys(n for s in schemas.values() for n in s.names)))
+    else:
+        return_schema = schemas[files[0].uri]
+
     ordered = np.sort(np.concatenate(hashes))
     suspects = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
     if suspects:
         counts: dict = {}
         for f in files:
-            ids = read_rows(f.uri, storage_config, columns=[schema.ID]).column(schema.ID).combine_chunks()
+            ids = _schema_and_ids(f, storage_config)[1]
             mask = np.isin(_hash64(ids), np.fromiter(suspects, dtype=np.uint64))
             for value in ids.filter(pa.array(mask)).to_pylist():
                 counts[value] = counts.get(value, 0) + 1
@@ -186,7 +268,7 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
         if dups:
             raise InputError(f"input has {len(dups)} duplicate id(s), e.g. {dups[0]!r}; ids must be unique across "
                              "the input")
-    return schemas[first]
+    return return_schema
 
 
 def _hash64(ids: pa.Array) -> np.ndarray:
@@ -201,7 +283,12 @@ def _hash64(ids: pa.Array) -> np.ndarray:
 
 def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None = None,
               start: int = 0, stop: int | None = None) -> pa.Table:
-    """Rows [start, stop) of one parquet file, reading only the row groups that cover them."""
+    """Rows [start, stop) of one parquet or Arrow file, reading only the row groups (batches) that cover them."""
+    if format_of(uri) == "arrow":
+        try:
+            return arrow_input.read_rows(uri, storage_config, columns, start, stop)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"input file {uri} could not be read: {_short(e)}") from None
     fs, path = storage.resolve(uri, storage_config)
 
     def _read() -> pa.Table:
@@ -243,14 +330,27 @@ def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None
         raise InputError(f"input file {uri} could not be read: {_short(e)}") from None
 
 
+def read_unit(unit: WorkUnit, storage_config: StorageConfig, carried: pa.Schema) -> pa.Table:
+    """The rows of one work unit, whatever the format (`carried`: the input's columns, as validation found them)."""
+    if format_of(unit.file_uri) != "jsonl":
+        return read_rows(unit.file_uri, storage_config, None, unit.start, unit.stop)
+    try:
+        return jsonl_input.read_rows(unit.file_uri, storage_config, carried, unit.start, unit.stop,
+                                     unit.seek_row, unit.seek_byte)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"input file {unit.file_uri} could not be read: {_short(e)}") from None
+
+
 def _digest(hashes: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(hashes).tobytes()).hexdigest()[:16]
 
 
 def ids_digest(uri: str, storage_config: StorageConfig) -> str:
     """A digest of a file's ids in row order: the same rows in the same places, or not."""
-    ids = read_rows(uri, storage_config, columns=[schema.ID]).column(schema.ID).combine_chunks()
-    return _digest(_hash64(ids))
+    f = InputFile(uri=uri, num_rows=0, size=0, format=format_of(uri) or "parquet")
+    return _digest(_hash64(_schema_and_ids(f, storage_config)[1]))
 
 
 def _relative(uri: str, root: str) -> str:
@@ -259,8 +359,8 @@ def _relative(uri: str, root: str) -> str:
 
 def describe_files(files: list[InputFile], root: str, ids_digests: dict[str, str]) -> list[dict]:
     """What run.json records of each input file, to tell on resume whether it is still the same file."""
-    return [{"name": _relative(f.uri, root), "num_rows": f.num_rows, "size": f.size, "mtime": f.mtime,
-             "ids": ids_digests.get(f.uri)} for f in files]
+    return [{"name": _relative(f.uri, root), "format": f.format, "num_rows": f.num_rows, "size": f.size,
+             "mtime": f.mtime, "ids": ids_digests.get(f.uri)} for f in files]
 
 
 def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
@@ -357,7 +457,8 @@ def pending_units(files: list[InputFile], done_shard_names: list[str], limit: in
                     size = min(size, max(1, small_left // 4), small_left)  # ≥4 units, so several engines share it
                     small_left -= size
                 end = min(ge, pos + size)
-                units.append(WorkUnit(file_index, files[file_index].uri, pos, end))
+                seek_row, seek_byte = jsonl_input.checkpoint_for(files[file_index].checkpoints, pos)
+                units.append(WorkUnit(file_index, files[file_index].uri, pos, end, seek_row, seek_byte))
                 pos = end
     return units
 

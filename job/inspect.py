@@ -40,7 +40,8 @@ SHARD = "shard"
 """Column `read_rows` adds: the URI of the completion shard a row lives in (so its text can be fetched)."""
 
 ROW_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
-               schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR]
+               schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, schema.TURN, schema.ORIGINAL_TURN_TOKENS,
+               *schema.QUALITY_FLAGS, schema.ERROR]
 
 LENGTHS = {"prompt": schema.NUM_PROMPT_TOKENS, "reasoning": schema.NUM_REASONING_TOKENS,
            "answer": schema.NUM_ANSWER_TOKENS, "output": schema.NUM_OUTPUT_TOKENS}
@@ -221,6 +222,45 @@ def token_lengths(rows: pa.Table) -> dict[str, np.ndarray]:
     return {name: _ints(rows, column)[ok] for name, column in LENGTHS.items()}
 
 
+def turn_lengths(rows: pa.Table) -> list[dict]:
+    """Per assistant turn (`turn`, generate.regenerate): non-error rows, mean prompt and output tokens, mean tokens
+    of the data's own text of that turn where it had one (`original_turn_tokens`), and each flag's rate. Rows
+    without a turn (error rows, runs made before turns were recorded) are left out."""
+    if schema.TURN not in rows.column_names:
+        return []
+    ok = _ok(rows) & rows.column(schema.TURN).is_valid().to_numpy(zero_copy_only=False)
+    turns = _ints(rows, schema.TURN)
+    original = rows.column(schema.ORIGINAL_TURN_TOKENS)
+    has_original = original.is_valid().to_numpy(zero_copy_only=False)
+    original = _ints(rows, schema.ORIGINAL_TURN_TOKENS)
+    out = []
+    for turn in sorted(set(turns[ok].tolist())):
+        sel = ok & (turns == turn)
+        with_original = sel & has_original
+        out.append({"turn": turn, "rows": int(sel.sum()),
+                    "prompt_tokens": float(_ints(rows, schema.NUM_PROMPT_TOKENS)[sel].mean()),
+                    "output_tokens": float(_ints(rows, schema.NUM_OUTPUT_TOKENS)[sel].mean()),
+                    "rows_with_original": int(with_original.sum()),
+                    "original_tokens": float(original[with_original].mean()) if with_original.any() else None,
+                    "flags": {flag: float(_bools(rows, flag)[sel].mean()) for flag in schema.QUALITY_FLAGS
+                              if flag in rows.column_names}})
+    return out
+
+
+def format_turn_lengths(per_turn: list[dict]) -> str:
+    if not per_turn:
+        return "no turns recorded (error rows only, or a run made before turns were recorded)"
+    flags = list(per_turn[0]["flags"])
+    head = (f"{'turn':>4} {'rows':>7} {'prompt':>8} {'output':>8} {'original':>9}  " +
+            " ".join(f"{f[:10]:>10}" for f in flags))
+    lines = [head, "-" * len(head)]
+    for t in per_turn:
+        original = f"{t['original_tokens']:9.1f}" if t["original_tokens"] is not None else f"{'-':>9}"
+        lines.append(f"{t['turn']:>4} {t['rows']:>7,} {t['prompt_tokens']:8.1f} {t['output_tokens']:8.1f} {original}  "
+                     + " ".join(f"{t['flags'][f]:10.1%}" for f in flags))
+    return "\n".join(lines)
+
+
 def histogram(values: np.ndarray, num_bins: int = 40) -> dict:
     """Bins for one length distribution. Log-spaced when the positive values span more than a factor of 20
     (prompt and output lengths usually do); zeros cannot sit on a log axis and are counted apart."""
@@ -337,12 +377,15 @@ def clip_text(text: str | None, max_chars: int) -> str:
 
 
 def _input_text(row: dict) -> str:
-    messages = row.get(schema.MESSAGES)
-    if messages:
-        return "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in messages)
-    if row.get(schema.PROMPT) is not None:
-        return f"[user] {row[schema.PROMPT]}"
-    return "(the input's prompt/messages columns were not carried into this shard)"
+    if all(row.get(c) is None for c in schema.CONVERSATION_COLUMNS):
+        return "(the input's prompt/messages columns were not carried into this shard)"
+    from job import prompts
+
+    try:  # messages, ShareGPT conversations (mapped) or a prompt; JSON text as JSONL inputs carry them
+        messages = prompts.row_messages(row)
+    except prompts.RowError as e:
+        return f"({e}) {row.get(schema.MESSAGES) or row.get(schema.CONVERSATIONS) or row.get(schema.PROMPT)}"
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
 
 
 def render_sample(row: dict, tokenizer=None, max_chars: int = 1200) -> str:

@@ -138,7 +138,9 @@ class Progress:
             rps = now_rps if len(recent) >= 3 else avg_rps
             remaining = max(0, self.total_rows - done)
             eta = 0.0 if remaining == 0 else (remaining / rps if rps > 0 else float("inf"))
-            ok_rows = max(1, self.rows - self.totals.get("num_errors", 0))
+            # Rates are over output rows: a conversation regenerated turn by turn gives several per input row.
+            outputs = self.totals.get("num_outputs", self.rows)
+            ok_rows = max(1, outputs - self.totals.get("num_errors", 0))
             return {
                 "rows_done": done,
                 "rows_this_job": self.rows,
@@ -149,7 +151,7 @@ class Progress:
                 "output_tokens_per_s_avg": avg_tps,
                 "eta_s": eta,
                 "elapsed_s": now - self.started,
-                "error_rate": self.totals.get("num_errors", 0) / max(1, self.rows),
+                "error_rate": self.totals.get("num_errors", 0) / max(1, outputs),
                 # Only the flags the stage reports (stage 2 reports none).
                 "flag_rates": {f: self.totals["num_" + f] / ok_rows for f in schema.QUALITY_FLAGS
                                if "num_" + f in self.totals},

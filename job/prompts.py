@@ -1,4 +1,9 @@
-"""One input row → chat messages → the exact prompt token ids, or the reason the row cannot be generated.
+"""One input row → chat messages → the turns to generate → the exact prompt token ids, or the reason the row
+cannot be generated.
+
+Every conversation schema is mapped to OpenAI messages here, once (`row_messages`: `messages`, ShareGPT
+`conversations`, or a plain `prompt`), and checked (`check_conversation`); `regeneration_targets` then picks the
+assistant turns to generate (`generate.regenerate`).
 
 Row errors never raise: a bad row becomes an error row in the output and every other row goes on.
 Rendering uses the model's own tokenizer and chat template (or the configured override), then tokenizes the
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from job import schema
@@ -16,55 +22,188 @@ from job import schema
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
+# ShareGPT speakers (`from`) → OpenAI roles. The one place ShareGPT is read; everything after sees messages.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
+                  "observation": "tool", "function_response": "tool"}
+LAST_TURN, EVERY_ASSISTANT_TURN = "last_turn", "every_assistant_turn"
+
 
 class RowError(ValueError):
     """This row cannot be generated; the message goes to the row's `error` column."""
 
 
+def _from_json(value, what: str):
+    if isinstance(value, str):  # JSON-encoded lists are common in parquet exports, and how JSONL rows arrive
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise RowError(f"malformed {what}: a string that is not JSON") from None
+    return value
+
+
+def _sharegpt_messages(conversations) -> list[dict[str, Any]]:
+    conversations = _from_json(conversations, "conversations")
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise RowError("malformed conversations: expected a non-empty list of {from, value}")
+    out = []
+    for i, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise RowError(f"malformed conversations: turn {i} is not a {{from, value}} mapping")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise RowError(f"unknown ShareGPT speaker {turn['from']!r} in turn {i} "
+                           f"(known: {', '.join(SHAREGPT_ROLES)})")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
 def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Messages of an input row: `messages` when present, else `prompt` as one user message."""
-    if schema.MESSAGES in row and row[schema.MESSAGES] is not None:
-        messages = row[schema.MESSAGES]
-        if isinstance(messages, str):  # JSON-encoded messages are common in parquet exports
-            try:
-                messages = json.loads(messages)
-            except json.JSONDecodeError:
-                raise RowError("malformed messages: a string that is not JSON") from None
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise RowError("malformed messages: expected a non-empty list of {role, content}")
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise RowError(f"malformed messages: message {i} is not a {{role, content}} mapping")
-            if m["role"] not in ROLES:
-                raise RowError(f"unknown role {m['role']!r} in message {i} (known: {', '.join(ROLES)})")
-            content = m["content"]
-            if content is None and m.get("tool_calls"):  # an assistant turn that only calls tools (OpenAI form)
-                content = ""
-            if not isinstance(content, str):
-                raise RowError(f"malformed messages: message {i} content is not a string")
-            message = {"role": m["role"], "content": content}
-            # Fields chat templates read besides role and content. A parquet list of structs gives every message
-            # every field, absent ones as None: only the present ones are passed on.
-            message.update({k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None})
-            out.append(message)
-        if not any(m["content"].strip() for m in out):
-            raise RowError("empty prompt: every message content is empty")
-        return out
-    prompt = row.get(schema.PROMPT)
-    if prompt is None:
-        raise RowError("empty prompt: `prompt` is null and there are no `messages`")
-    if not isinstance(prompt, str):
-        raise RowError(f"malformed prompt: expected a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise RowError("empty prompt")
-    return [{"role": "user", "content": prompt}]
+    """Messages of an input row: `messages` (OpenAI), else `conversations` (ShareGPT), else `prompt` as one user
+    message. Checked here, once, for every format (`check_conversation`)."""
+    if row.get(schema.MESSAGES) is not None:
+        messages = _from_json(row[schema.MESSAGES], "messages")
+    elif row.get(schema.CONVERSATIONS) is not None:
+        messages = _sharegpt_messages(row[schema.CONVERSATIONS])
+    else:
+        prompt = row.get(schema.PROMPT)
+        if prompt is None:
+            raise RowError("empty prompt: `prompt` is null and there are no `messages`")
+        if not isinstance(prompt, str):
+            raise RowError(f"malformed prompt: expected a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise RowError("empty prompt")
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RowError("malformed messages: expected a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RowError(f"malformed messages: message {i} is not a {{role, content}} mapping")
+        if m["role"] not in ROLES:
+            raise RowError(f"unknown role {m['role']!r} in message {i} (known: {', '.join(ROLES)})")
+        content = m["content"]
+        if content is None and m.get("tool_calls"):  # an assistant turn that only calls tools (OpenAI form)
+            content = ""
+        if not isinstance(content, str):
+            raise RowError(f"malformed messages: message {i} content is not a string")
+        message = {"role": m["role"], "content": content}
+        # Fields chat templates read besides role and content. A parquet list of structs gives every message
+        # every field, absent ones as None: only the present ones are passed on.
+        message.update({k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None})
+        if isinstance(message.get("tool_calls"), str):
+            message["tool_calls"] = _from_json(message["tool_calls"], "tool_calls")
+        out.append(message)
+    if not any(m["content"].strip() for m in out):
+        raise RowError("empty prompt: every message content is empty")
+    check_conversation(out)
+    return out
+
+
+def check_conversation(messages: list[dict[str, Any]]) -> None:
+    """Refuse conversations a chat template would render wrongly or a model never sees: system messages after the
+    start, turns that do not alternate (user → assistant → user ...; an assistant that calls tools is followed by
+    their results, then by an assistant), a tool result without its call, an empty user or assistant turn (a
+    trailing empty assistant message, a placeholder for the answer, is allowed)."""
+    prev, calls = None, set()
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role in ("system", "developer"):
+            if prev not in (None, "system", "developer"):
+                raise RowError(f"bad conversation: a {role} message at position {i}, after the conversation started "
+                               "(only the first messages may be system messages)")
+            prev = role
+            continue
+        expected = {None: ("user",), "system": ("user",), "developer": ("user",), "user": ("assistant",),
+                    "assistant": ("user", "tool"), "tool": ("tool", "assistant")}[prev]
+        if role not in expected:
+            raise RowError(f"bad conversation: roles do not alternate: message {i} is {role!r} after "
+                           f"{prev or 'the start'!r} (expected {' or '.join(expected)})")
+        if role == "tool":
+            if not calls:
+                raise RowError(f"bad conversation: tool message {i} answers no call (the assistant message before "
+                               "it has no tool_calls)")
+            call_id = m.get("tool_call_id")
+            ids = {c for c in calls if c}
+            if call_id and ids and call_id not in ids:
+                raise RowError(f"bad conversation: tool message {i} answers call {call_id!r}, which the assistant "
+                               f"did not make (its calls: {', '.join(sorted(ids))})")
+        elif role == "assistant":
+            tool_calls = m.get("tool_calls") or []
+            calls = {(c.get("id") if isinstance(c, dict) else None) or "" for c in tool_calls}
+            if not tool_calls and not m["content"].strip() and not m.get("reasoning_content") \
+                    and i != len(messages) - 1:
+                raise RowError(f"bad conversation: empty turn: assistant message {i} has no content")
+        else:  # user
+            calls = set()
+            if not m["content"].strip():
+                raise RowError(f"bad conversation: empty turn: user message {i} has no content")
+        prev = role
+    if prev in (None, "system", "developer"):
+        raise RowError("bad conversation: no user turn (only system messages)")
+
+
+def row_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's `tools` (a list of tool definitions, or its JSON text), for the chat template; None if absent."""
+    tools = _from_json(row.get(schema.TOOLS), "tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise RowError("malformed tools: expected a list of tool definitions")
+    return [_drop_nulls(t) for t in tools]
+
+
+def _drop_nulls(value):
+    """A parquet or Arrow struct gives every tool every field of every other tool, absent ones as None."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Target:
+    """One completion to generate from a conversation: the assistant turn `turn` (0-based count of assistant
+    messages before it), on `history`; `original` is the data's own text of that turn, if it has one."""
+    id: str
+    turn: int
+    history: list[dict[str, Any]]
+    original: dict[str, Any] | None
+
+
+def regeneration_targets(row_id: str, messages: list[dict[str, Any]], mode: str) -> list[Target]:
+    """The completions a conversation yields under `generate.regenerate` (see GenerateConfig.regenerate)."""
+    if mode == LAST_TURN:
+        if messages[-1]["role"] == "assistant":
+            history, original = messages[:-1], messages[-1]
+        else:
+            history, original = messages, None
+        return [Target(row_id, sum(m["role"] == "assistant" for m in history), history, original)]
+    if mode != EVERY_ASSISTANT_TURN:
+        raise ValueError(f"unknown regenerate mode {mode!r}")
+    targets, turn = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            targets.append(Target(f"{row_id}#{turn}", turn, messages[:i], m))
+            turn += 1
+    if messages[-1]["role"] != "assistant":  # the conversation waits for an answer: generate it too
+        targets.append(Target(f"{row_id}#{turn}", turn, messages, None))
+    return targets
+
+
+def original_turn_text(message: dict[str, Any]) -> str:
+    """The text of an assistant turn whose length `original_turn_tokens` records: its reasoning (if the data has
+    it apart) and its content; tool calls are not counted."""
+    reasoning = message.get("reasoning_content") or ""
+    return f"{reasoning}\n{message['content']}" if reasoning else message["content"]
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], *, chat_template: str | None, enable_thinking: bool,
-                      chat_template_kwargs: dict) -> list[int]:
+                      chat_template_kwargs: dict, tools: list[dict] | None = None) -> list[int]:
     text = tokenizer.apply_chat_template(
         messages,
+        tools=tools,
         chat_template=chat_template,
         tokenize=False,
         add_generation_prompt=True,

@@ -58,7 +58,7 @@ def row_flags(*, prompt_ids: list[int], output_ids: list[int], finish_reason: st
 
 def canary_verdict(totals: dict[str, int], config: QualityConfig) -> str | None:
     """None when the first rows look healthy; else a message saying what is wrong and what to check."""
-    rows = totals.get("num_rows", 0)
+    rows = totals.get("num_outputs", totals.get("num_rows", 0))  # output rows: several per conversation
     errors = totals.get("num_errors", 0)
     ok = max(1, rows - errors)
 

@@ -124,6 +124,7 @@ def identity(config: RunConfig, sampling: dict, chat_template: str | None, input
         "chat_template_sha": hashlib.sha256(chat_template.encode()).hexdigest()[:16] if chat_template else None,
         "chat_template_kwargs": gen.chat_template_kwargs,
         "seed": gen.seed,
+        "regenerate": gen.regenerate,
         "input_fingerprint": input_fingerprint,
     })
 

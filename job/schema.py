@@ -9,11 +9,14 @@ from __future__ import annotations
 import pyarrow as pa
 
 # ---------------------------------------------------------------------------------------------------------------
-# Input prompt shards (Parquet)
+# Input prompt shards (parquet, JSONL, Arrow: job/inputs.py)
 # ---------------------------------------------------------------------------------------------------------------
 ID = "id"
-MESSAGES = "messages"
+MESSAGES = "messages"  # OpenAI chat messages: role, content, and name / tool_calls / tool_call_id
 PROMPT = "prompt"
+CONVERSATIONS = "conversations"  # ShareGPT: from (human/gpt/system/tool), value; mapped in job/prompts.py
+TOOLS = "tools"  # per-row tool definitions (OpenAI function schema), passed to the chat template
+CONVERSATION_COLUMNS = (PROMPT, MESSAGES, CONVERSATIONS)  # an input needs at least one of these
 
 # ---------------------------------------------------------------------------------------------------------------
 # Completion shards (stage 1)
@@ -28,6 +31,8 @@ NUM_OUTPUT_TOKENS = "num_output_tokens"
 NUM_REASONING_TOKENS = "num_reasoning_tokens"
 NUM_ANSWER_TOKENS = "num_answer_tokens"
 SEED = "seed"
+TURN = "turn"  # which assistant turn of the conversation was generated (0-based; generate.regenerate)
+ORIGINAL_TURN_TOKENS = "original_turn_tokens"  # tokens of the data's own text of that turn; null if it had none
 ERROR = "error"
 
 # Quality flags (job/quality.py computes them). One boolean column each; null on error rows.
@@ -60,6 +65,8 @@ COMPLETION_FIELDS = [
     pa.field(NUM_REASONING_TOKENS, pa.int32()),
     pa.field(NUM_ANSWER_TOKENS, pa.int32()),
     pa.field(SEED, pa.int64()),
+    pa.field(TURN, pa.int32()),
+    pa.field(ORIGINAL_TURN_TOKENS, pa.int32()),
     *[pa.field(flag, pa.bool_()) for flag in QUALITY_FLAGS],
     pa.field(ERROR, pa.string()),
 ]

@@ -132,7 +132,7 @@ def measure_rate(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> Rate 
         if len(seg) < 2:
             continue
         seconds += seg[-1].mtime - seg[0].mtime
-        rows += sum(s.num_rows for s in seg[1:])
+        rows += sum(s.stop - s.start for s in seg[1:])  # input rows (a conversation may give several outputs)
         tokens += sum(s.num_output_tokens for s in seg[1:])
     if seconds <= 0:
         return None

@@ -1,0 +1,370 @@
+"""Input formats (parquet, JSONL plain/.gz/.zst, Arrow / datasets.save_to_disk), conversation schemas (OpenAI
+messages with tools, ShareGPT), conversation checks and `generate.regenerate`, then one stage-1 + stage-2 run on
+the tiny model over a multi-turn JSONL input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import read_run
+
+from job import inputs, jsonl_input, prompts, storage
+from job.storage import StorageConfig
+
+SC = StorageConfig()
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather now",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def conversation_rows(n: int) -> list[dict]:
+    """n rows cycling through: a plain prompt, a 2-turn OpenAI chat, an agent trace with a tool call and `tools`,
+    a ShareGPT chat with a system prompt (the last kind has `conversations` instead of `messages`)."""
+    rows = []
+    for i in range(n):
+        kind = i % 4
+        row = {"id": f"c{i:05d}", "topic": f"k{kind}"}
+        if kind == 0:
+            row["prompt"] = f"What is {i} plus one?"
+        elif kind == 1:
+            row["messages"] = [{"role": "user", "content": f"Name a color ({i})."},
+                               {"role": "assistant", "content": "Blue."},
+                               {"role": "user", "content": "Another one?"},
+                               {"role": "assistant", "content": "Red, which is warmer than blue."}]
+        elif kind == 2:
+            row["messages"] = [{"role": "system", "content": "You can call tools."},
+                               {"role": "user", "content": f"Weather in Oslo, day {i}?"},
+                               {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                               {"role": "tool", "content": "4 C, rain", "tool_call_id": "c1"},
+                               {"role": "assistant", "content": "It is 4 C and raining in Oslo."}]
+            row["tools"] = TOOLS
+        else:
+            row["conversations"] = [{"from": "system", "value": "Be brief."},
+                                    {"from": "human", "value": f"Why is the sky blue? ({i})"},
+                                    {"from": "gpt", "value": "Rayleigh scattering."},
+                                    {"from": "human", "value": "Thanks!"}]
+        rows.append(row)
+    return rows
+
+
+def jsonl_text(rows: list[dict]) -> str:
+    # CRLF and blank lines on purpose: rows are the non-blank lines.
+    return "".join(json.dumps(r) + ("\r\n" if i % 5 == 0 else "\n") + ("\n" if i % 7 == 0 else "")
+                   for i, r in enumerate(rows))
+
+
+def write_save_to_disk(directory, table: pa.Table, num_files: int = 2, batch_rows: int = 10) -> str:
+    """The layout `datasets.save_to_disk` writes (the `datasets` package is not installed here): Arrow *stream*
+    files `data-0000i-of-0000N.arrow` in batches of `writer_batch_size` rows, with state.json naming them in order
+    and dataset_info.json. Written in reverse name order would not matter: state.json's order is the row order."""
+    os.makedirs(directory, exist_ok=True)
+    per = -(-table.num_rows // num_files)
+    names = [f"data-{i:05d}-of-{num_files:05d}.arrow" for i in range(num_files)]
+    for i, name in enumerate(names):
+        with pa.OSFile(os.path.join(directory, name), "wb") as sink, \
+                pa.ipc.new_stream(sink, table.schema) as writer:
+            for batch in table.slice(i * per, per).to_batches(max_chunksize=batch_rows):
+                writer.write_batch(batch)
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump({"_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_split": "train"}, f)
+    with open(os.path.join(directory, "dataset_info.json"), "w") as f:
+        json.dump({"features": {}}, f)
+    return str(directory)
+
+
+def write_all_formats(tmp_path, rows: list[dict]) -> dict[str, str]:
+    """The same rows in every supported form; returns {form: input uri}."""
+    text = jsonl_text(rows)
+    out = {}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "rows.jsonl").write_text(text)
+    out["jsonl"] = str(tmp_path / "plain" / "rows.jsonl")
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as f:
+        f.write(text)
+    out["jsonl.gz"] = str(tmp_path / "rows.jsonl.gz")
+    with pa.CompressedOutputStream(str(tmp_path / "rows.jsonl.zst"), "zstd") as f:
+        f.write(text.encode())
+    out["jsonl.zst"] = str(tmp_path / "rows.jsonl.zst")
+    # Parquet and Arrow hold nested columns natively; messages of different rows have different fields, so the
+    # struct has all of them and absent ones are null (what the readers must drop again).
+    table = pa.Table.from_struct_array(pa.array(rows))  # the columns of all rows, not just the first's
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table.slice(0, 17), str(tmp_path / "pq" / "a.parquet"))
+    pq.write_table(table.slice(17), str(tmp_path / "pq" / "b.parquet"))
+    out["parquet"] = str(tmp_path / "pq")
+    out["save_to_disk"] = write_save_to_disk(tmp_path / "hf", table)
+    with pa.OSFile(str(tmp_path / "file-format.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=8):
+            w.write_batch(batch)
+    out["arrow_file"] = str(tmp_path / "file-format.arrow")
+    return out
+
+
+def read_all_units(uri: str, rows_per_shard: int) -> tuple[list[inputs.WorkUnit], list[dict]]:
+    files = inputs.list_input_files(uri, SC)
+    carried = inputs.validate_input(files, SC)
+    units = inputs.pending_units(files, [], None, rows_per_shard)
+    got = []
+    for u in units:
+        table = inputs.read_unit(u, SC, carried)
+        assert table.num_rows == u.num_rows
+        got += table.to_pylist()
+    return units, got
+
+
+def test_every_format_gives_the_same_rows_and_conversations(tmp_path, monkeypatch):
+    monkeypatch.setattr(jsonl_input, "CHECKPOINT_ROWS", 8)  # several checkpoints in a small file
+    rows = conversation_rows(40)
+    expected = [prompts.row_messages(r) for r in rows]
+    for form, uri in write_all_formats(tmp_path, rows).items():
+        units, got = read_all_units(uri, rows_per_shard=7)
+        assert [r["id"] for r in got] == [r["id"] for r in rows], form
+        assert [prompts.row_messages(r) for r in got] == expected, form
+        assert [prompts.row_tools(r) for r in got] == [r.get("tools") for r in rows], form
+        assert [r["topic"] for r in got] == [r["topic"] for r in rows], f"{form}: carried columns"
+        if form == "jsonl":  # units start at their checkpoint, not at the file's start
+            assert any(u.seek_byte > 0 and u.seek_row <= u.start < u.seek_row + 8 for u in units)
+    # ShareGPT mapped to messages, once: roles and contents.
+    assert expected[3] == [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Why is the sky blue? (3)"},
+                           {"role": "assistant", "content": "Rayleigh scattering."},
+                           {"role": "user", "content": "Thanks!"}]
+    assert expected[2][2] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+
+
+def test_a_jsonl_unit_reads_only_its_rows(tmp_path, monkeypatch):
+    """A unit in the middle of a plain file seeks to its checkpoint: bytes before it are never read (here they are
+    overwritten after the scan, and the unit still reads). A .gz unit in the middle returns exactly its rows."""
+    monkeypatch.setattr(jsonl_input, "CHECKPOINT_ROWS", 64)
+    rows = [{"id": i, "prompt": f"question {i}"} for i in range(1000)]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "big.jsonl.gz", "wt") as f:
+        f.write(path.read_text())
+    for uri in (str(tmp_path / "big.jsonl.gz"), str(path)):
+        files = inputs.list_input_files(uri, SC)
+        carried = inputs.validate_input(files, SC)
+        assert files[0].num_rows == 1000
+        unit = [u for u in inputs.pending_units(files, [], None, 100) if u.start == 500][0]
+        got = inputs.read_unit(unit, SC, carried)
+        assert got.column("id").to_pylist() == [str(i) for i in range(500, 600)]
+        assert got.column("prompt").to_pylist() == [f"question {i}" for i in range(500, 600)]
+    # Garble the first 400 rows in place after the scan (same size): the unit at 500 (checkpoint 448) still reads
+    # its rows, the first unit cannot.
+    data = bytearray(path.read_bytes())
+    cut = data.index(b'{"id": 400,')
+    data[:cut] = b"#" * cut
+    path.write_bytes(bytes(data))
+    units = {u.start: u for u in inputs.pending_units(files, [], None, 100)}
+    assert inputs.read_unit(units[500], SC, carried).column("id").to_pylist() == [str(i) for i in range(500, 600)]
+    with pytest.raises(inputs.InputError, match="not valid JSON"):
+        inputs.read_unit(units[0], SC, carried)
+
+
+def test_bad_input_files_are_refused_naming_the_problem(tmp_path):
+    def refused(name: str, text: str | None = None, *, words: str, setup=None):
+        d = tmp_path / name
+        d.mkdir()
+        if text is not None:
+            (d / "in.jsonl").write_text(text)
+        if setup:
+            setup(d)
+        with pytest.raises(inputs.InputError) as e:
+            inputs.validate_input(inputs.list_input_files(str(d), SC), SC)
+        assert words in str(e.value), str(e.value)
+
+    refused("not_json", '{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": \n', words="row 1 is not valid JSON")
+    refused("not_object", '{"id": 1, "prompt": "a"}\n[1, 2]\n', words="row 1 is a JSON list, not an object")
+    refused("no_id", '{"id": 1, "prompt": "a"}\n{"prompt": "b"}\n', words="1 row(s) have a null `id`")
+    refused("dup", '{"id": 7, "prompt": "a"}\n{"id": "7", "prompt": "b"}\n', words="duplicate id(s), e.g. '7'")
+    refused("no_prompt", '{"id": 1, "text": "a"}\n', words="neither a `prompt` nor a `messages` column")
+    refused("mixed", '{"id": 1, "prompt": "a"}\n', words="mixes formats",
+            setup=lambda d: pq.write_table(pa.table({"id": [2], "prompt": ["b"]}), str(d / "b.parquet")))
+
+    def dataset_dict(d):
+        write_save_to_disk(d / "train", pa.table({"id": ["a"], "prompt": ["b"]}), num_files=1)
+        (d / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    refused("dataset_dict", words="point the input at one split's directory", setup=dataset_dict)
+
+
+def test_jsonl_and_save_to_disk_on_s3(s3_bucket, tmp_path, monkeypatch):
+    import boto3
+
+    monkeypatch.setattr(jsonl_input, "CHECKPOINT_ROWS", 8)
+    rows = conversation_rows(24)
+    forms = write_all_formats(tmp_path, rows)
+    s3 = boto3.client("s3")
+    s3.upload_file(forms["jsonl"], s3_bucket, "in-jsonl/rows.jsonl")
+    s3.upload_file(forms["jsonl.zst"], s3_bucket, "in-zst/rows.jsonl.zst")
+    for name in os.listdir(forms["save_to_disk"]):
+        s3.upload_file(os.path.join(forms["save_to_disk"], name), s3_bucket, f"in-hf/{name}")
+    for prefix in ("in-jsonl", "in-zst", "in-hf"):
+        _, got = read_all_units(f"s3://{s3_bucket}/{prefix}", rows_per_shard=5)
+        assert [r["id"] for r in got] == [r["id"] for r in rows], prefix
+        assert [prompts.row_messages(r) for r in got] == [prompts.row_messages(r) for r in rows], prefix
+    # A re-uploaded file with other ids (same size and row count) is refused on resume.
+    files = inputs.list_input_files(f"s3://{s3_bucket}/in-jsonl", SC)
+    digests: dict = {}
+    inputs.validate_input(files, SC, ids_digests=digests)
+    recorded = inputs.describe_files(files, f"s3://{s3_bucket}/in-jsonl", digests)
+    with open(forms["jsonl"], "rb") as f:
+        data = f.read().replace(b'"c00001"', b'"x00001"')
+    time.sleep(1.1)  # S3's LastModified has 1 s resolution: a re-upload is told by its new time, then its ids
+    storage.write_bytes_atomic(f"s3://{s3_bucket}/in-jsonl/rows.jsonl", data, SC)
+    with pytest.raises(inputs.InputError, match="other ids or another order"):
+        inputs.check_unchanged(recorded, inputs.list_input_files(f"s3://{s3_bucket}/in-jsonl", SC),
+                               f"s3://{s3_bucket}/in-jsonl", SC)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversations: checks and regeneration targets
+# ---------------------------------------------------------------------------------------------------------------
+
+U, A = "user", "assistant"
+
+
+def msg(role, content="x", **kw):
+    return {"role": role, "content": content, **kw}
+
+
+BAD_CONVERSATIONS = {
+    "two_users": ([msg(U), msg(U)], "roles do not alternate: message 1 is 'user' after 'user'"),
+    "starts_with_assistant": ([msg(A), msg(U)], "message 0 is 'assistant' after 'the start'"),
+    "late_system": ([msg(U), msg(A), msg("system"), msg(U)], "a system message at position 2"),
+    "tool_without_call": ([msg(U), msg(A), msg("tool", "42")], "tool message 2 answers no call"),
+    "tool_wrong_call": ([msg(U), msg(A, None, tool_calls=[CALL]), msg("tool", "4 C", tool_call_id="c9")],
+                        "answers call 'c9', which the assistant did not make"),
+    "empty_user": ([msg(U, "hi"), msg(A), msg(U, "  "), msg(A)], "empty turn: user message 2"),
+    "empty_assistant": ([msg(U), msg(A, ""), msg(U)], "empty turn: assistant message 1"),
+    "only_system": ([msg("system")], "no user turn"),
+    "sharegpt_speaker": (None, "unknown ShareGPT speaker 'narrator'"),
+}
+
+
+def test_bad_conversations_are_row_errors_with_a_reason():
+    for name, (messages, words) in BAD_CONVERSATIONS.items():
+        row = {"id": name, "messages": messages} if messages is not None else \
+            {"id": name, "conversations": [{"from": "narrator", "value": "Once"}]}
+        with pytest.raises(prompts.RowError) as e:
+            prompts.row_messages(row)
+        assert words in str(e.value), (name, str(e.value))
+    # A trailing empty assistant message is a placeholder for the answer, not an error.
+    assert prompts.row_messages({"messages": [msg(U), msg(A, "")]})[-1] == msg(A, "")
+
+
+def test_regenerate_targets_histories_and_ids():
+    convo = prompts.row_messages(conversation_rows(3)[2])  # system, user, assistant(call), tool, assistant
+    last = prompts.regeneration_targets("r", convo, "last_turn")
+    assert [(t.id, t.turn) for t in last] == [("r", 1)]
+    assert last[0].history == convo[:4] and last[0].original == convo[4]
+    every = prompts.regeneration_targets("r", convo, "every_assistant_turn")
+    assert [(t.id, t.turn) for t in every] == [("r#0", 0), ("r#1", 1)]
+    assert every[0].history == convo[:2] and every[0].original == convo[2]
+    assert every[1].history == convo[:4] and every[1].original == convo[4]
+    # A conversation that waits for an answer: last_turn generates it; every_assistant_turn adds it.
+    open_convo = prompts.row_messages(conversation_rows(4)[3])  # system, user, assistant, user
+    assert [(t.id, t.turn, t.original) for t in prompts.regeneration_targets("s", open_convo, "last_turn")] == \
+        [("s", 1, None)]
+    every = prompts.regeneration_targets("s", open_convo, "every_assistant_turn")
+    assert [(t.id, len(t.history), t.original is None) for t in every] == [("s#0", 2, False), ("s#1", 4, True)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: stage 1 (every_assistant_turn, then a --limit run and the rest) and stage 2 on the tiny model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def expected_targets(rows: list[dict], mode: str) -> dict[str, tuple[prompts.Target, list | None] | str]:
+    """{output id: (target, tools)} for good rows, {id: reason} for bad ones."""
+    out = {}
+    for r in rows:
+        try:
+            messages = prompts.row_messages(r)
+        except prompts.RowError as e:
+            out[r["id"]] = str(e)
+            continue
+        for t in prompts.regeneration_targets(r["id"], messages, mode):
+            out[t.id] = (t, prompts.row_tools(r))
+    return out
+
+
+def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer):
+    import ray
+
+    from job.generate import run_generate
+    from job.hidden_states import load, run_hidden_states
+
+    # One Ray for the three runs (each job would start and stop its own: ~30 s each on this machine).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states)
+    finally:
+        ray.shutdown()
+
+
+def _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states):
+    rows = conversation_rows(12)
+    bad = {"two_users", "tool_without_call", "empty_user"}
+    rows += [{"id": name, "messages": BAD_CONVERSATIONS[name][0], "topic": "bad"} for name in sorted(bad)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(jsonl_text(rows))
+    # The tiny model's template ignores `tools`; this one (its own, after a tool list) shows they reach it.
+    template = "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}" + \
+        tokenizer.chat_template
+    (tmp_path / "template.jinja").write_text(template)
+    config = make_config(input=str(inp), output=str(tmp_path / "run"), limit=6,
+                         **{"generate.chat_template": str(tmp_path / "template.jinja"),
+                            "generate.rows_per_shard": 4, "generate.regenerate": "every_assistant_turn",
+                            "generate.sampling": {"max_tokens": 24}, "quality.canary_rows": 0,
+                            "hidden_states.layer_ids": [0, -1], "hidden_states.rows_per_shard": 16})
+    run_generate(config)  # the first 6 rows, then the rest: every id exactly once across both runs
+    config.limit = None
+    summary = run_generate(config)
+    assert summary.num_rows_done_before == 6 and summary.num_rows == len(rows) - 6
+
+    table = read_run(config.output)
+    want = expected_targets(rows, "every_assistant_turn")
+    assert Counter(table.column("id").to_pylist()) == Counter(list(want)), "every expected id exactly once"
+    assert len(want) > len(rows)  # turns expanded
+    for row in table.to_pylist():
+        expected = want[row["id"]]
+        if isinstance(expected, str):
+            assert row["error"] == expected and row["id"] in bad and row["topic"] == "bad"
+            continue
+        target, tools = expected
+        assert row["error"] is None, row["error"]
+        assert row["prompt_token_ids"] == prompts.render_prompt_ids(
+            tokenizer, target.history, chat_template=template, enable_thinking=True, chat_template_kwargs={},
+            tools=tools), f"{row['id']}: the history as the data has it, with its tools"
+        assert row["turn"] == target.turn
+        original = None if target.original is None else len(tokenizer(
+            prompts.original_turn_text(target.original), add_special_tokens=False)["input_ids"])
+        assert row["original_turn_tokens"] == original
+        assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
+    assert "<tools>weather </tools>" in tokenizer.decode(
+        table.filter(pa.compute.equal(table.column("id"), "c00002#1")).column("prompt_token_ids")[0].as_py())
+
+    # The notebook's per-turn table: rows per turn and the originals' mean length, from the shards.
+    from job import inspect as ji
+
+    per_turn = {t["turn"]: t for t in ji.turn_lengths(ji.read_rows(config.output))}
+    good = [r for r in table.to_pylist() if r["error"] is None]
+    assert {k: v["rows"] for k, v in per_turn.items()} == dict(Counter(r["turn"] for r in good))
+    originals = [r["original_turn_tokens"] for r in good if r["turn"] == 1 and r["original_turn_tokens"] is not None]
+    assert per_turn[1]["original_tokens"] == pytest.approx(sum(originals) / len(originals))
+    assert "turn" in ji.format_turn_lengths(list(per_turn.values()))
+
+    # Stage 2: one sample per output row, turn ids and all.
+    run_hidden_states(config)
+    samples = {s["id"]: s for s in load(config.output)}
+    assert set(samples) == {r["id"] for r in good}
+    for r in good:
+        assert samples[r["id"]]["input_ids"].tolist() == r["prompt_token_ids"] + r["output_token_ids"]
