@@ -512,7 +512,11 @@ def validate_conversation(messages) -> str | None:
 
 def validate_row(row: dict, *, expect_reasoning: bool, expect_non_reasoning: bool) -> str | None:
     """SpecForge's `validate_row` (scripts/validate_regenerated_data.py) with --strict-think-markers and
-    --expect-reasoning (a thinking run) or --expect-non-reasoning; the reason it fails, or None."""
+    --expect-reasoning (a thinking run) or --expect-non-reasoning; the reason it fails, or None. One difference:
+    the reasoning expectation holds for the last assistant message only, the turn stage 1 regenerated. SpecForge's
+    own script regenerates every turn of a conversation, so all of them have reasoning; ours regenerates one turn
+    per row (generate.regenerate) on a history of the data's own turns, which rarely carry reasoning, and the
+    Qwen3.5/3.6 template does not render reasoning before the last user message anyway."""
     if not isinstance(row.get("id"), str) or not row["id"].strip():
         return "id must be a non-empty string"
     if row.get("status") != "success":
@@ -529,9 +533,10 @@ def validate_row(row: dict, *, expect_reasoning: bool, expect_non_reasoning: boo
         content, reasoning = message["content"], message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             return f"assistant message {index} reasoning_content must be a string or null"
-        if expect_non_reasoning and reasoning and reasoning.strip():
+        regenerated = index == len(messages) - 1
+        if regenerated and expect_non_reasoning and reasoning and reasoning.strip():
             return f"assistant message {index} has non-empty reasoning_content"
-        if expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
+        if regenerated and expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
             return f"assistant message {index} has empty reasoning_content"
         if has_think_marker(content):
             return f"assistant message {index} contains a thinking marker"
@@ -549,7 +554,7 @@ def conversation_row(row: dict, thinking: bool) -> tuple[dict | None, str | None
     regenerate_train_data.py writes: the prompt's messages, then the regenerated assistant turn with its reasoning in
     `reasoning_content` (the Qwen3.5/3.6 template renders it inside <think>...</think>; `content` holds the answer
     alone)."""
-    from job.prompts import RowError, row_messages
+    from job.prompts import RowError, history_of_turn, row_messages
 
     if row.get(schema.ERROR) is not None:
         return None, f"stage-1 error: {row[schema.ERROR]}"
@@ -557,7 +562,9 @@ def conversation_row(row: dict, thinking: bool) -> tuple[dict | None, str | None
         return None, ("truncated (finish_reason length): the template would close an assistant turn the model "
                       "never finished")
     try:
-        messages = row_messages(row)
+        # The history this turn was generated on: a trailing assistant turn of the data (last_turn), or the turns
+        # after it (every_assistant_turn), are not part of it.
+        messages = history_of_turn(row_messages(row), row.get(schema.TURN))
     except RowError as e:
         return None, f"prompt: {e}"
     assistant = {"role": "assistant", "content": row.get(schema.ANSWER) or ""}

@@ -192,6 +192,21 @@ def regeneration_targets(row_id: str, messages: list[dict[str, Any]], mode: str)
     return targets
 
 
+def history_of_turn(messages: list[dict[str, Any]], turn: int | None) -> list[dict[str, Any]]:
+    """The history a completion row of assistant turn `turn` was generated on (both `generate.regenerate` modes):
+    the messages before the conversation's assistant message number `turn` (0-based), or all of them when it has
+    no such message. `turn` None (a run written before turns were recorded): the last-turn rule."""
+    if turn is None:
+        return regeneration_targets("", messages, LAST_TURN)[0].history
+    seen = 0
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            if seen == turn:
+                return messages[:i]
+            seen += 1
+    return messages
+
+
 def original_turn_text(message: dict[str, Any]) -> str:
     """The text of an assistant turn whose length `original_turn_tokens` records: its reasoning (if the data has
     it apart) and its content; tool calls are not counted."""

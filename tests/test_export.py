@@ -336,15 +336,22 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
                         "assistant message 1 contains a thinking marker"),
         "think-in-reasoning": ({"prompt": "x"}, {**good, "reasoning": "<think>hm"},
                                "assistant message 1 reasoning_content contains a thinking marker"),
+        # Conversations that fail the input checks (job/prompts.py, the same ones stage 1 applies) are dropped
+        # with that reason; a run's own rows never get here (stage 1 made them error rows), crafted ones do.
         "starts-assistant": ({"messages": json.dumps([{"role": "assistant", "content": "hi"},
                                                       {"role": "user", "content": "2+2?"}])}, good,
-                             "message 0 expected role 'user', got 'assistant'"),
+                             "prompt: bad conversation: roles do not alternate: message 0 is 'assistant'"),
         "ends-user-twice": ({"messages": json.dumps([{"role": "user", "content": "a"}, {"role": "user",
                                                                                        "content": "b"}])}, good,
-                            "message 1 expected role 'assistant', got 'user'"),
+                            "prompt: bad conversation: roles do not alternate: message 1 is 'user'"),
         "tool-role": ({"messages": json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                                                {"role": "tool", "content": "c"}])}, good,
-                      "message 2 has unsupported role 'tool'"),
+                      "prompt: bad conversation: tool message 2 answers no call"),
+        # A regenerated turn of a multi-turn conversation: its history ends before the data's own turn 1.
+        "multi-turn": ({"messages": json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                                {"role": "user", "content": "c"},
+                                                {"role": "assistant", "content": "old"}])},
+                       {**good, "turn": 1}, None),
     }
     rows = []
     for sid, (inp, fields, _) in cases.items():
@@ -354,13 +361,16 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
     carried = pa.schema([pa.field("id", pa.string()), pa.field("messages", pa.string()),
                          pa.field("prompt", pa.string())])
     run = str(tmp_path / "run")
-    storage.write_shard(os.path.join(run, schema.COMPLETIONS_DIR, "f00000-r0000000000-0000000011.arrow"),
+    storage.write_shard(os.path.join(run, schema.COMPLETIONS_DIR, "f00000-r0000000000-0000000012.arrow"),
                         pa.Table.from_pylist(rows, schema=schema.completion_schema(carried)))
     out = str(tmp_path / "conv")
     summary = export(run, to="specforge", format="conversations", output=out)
     written = [json.loads(line) for line in open(os.path.join(out, "conversations.jsonl"))]
     dropped = {d["id"]: d["reason"] for d in map(json.loads, open(os.path.join(out, "dropped.jsonl")))}
-    assert [w["id"] for w in written] == ["ok-prompt", "ok-messages"]
+    assert [w["id"] for w in written] == ["ok-prompt", "ok-messages", "multi-turn"]
+    assert written[2]["conversations"] == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add them."}]
     assert written[0] == {"id": "ok-prompt", "status": "success", "conversations": [
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4", "reasoning_content": "Add them."}]}
