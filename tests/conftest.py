@@ -113,6 +113,19 @@ def simple_prompts(n: int, prefix: str = "p") -> list[dict]:
             for i in range(n)]
 
 
+# One local Ray per test module that asks for it (stage 2 and export tests); left alone if a test started one.
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 def make_config(tiny_model_dir):
     """RunConfig from configs/demo.yaml with test overrides (dotted keys)."""

@@ -111,18 +111,6 @@ def completion_table(vocab: int) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema.completion_schema())
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def hs_config(model_dir: str, run: str, before_norm: bool) -> RunConfig:
     return RunConfig(model=model_dir, output=run, hidden_states=HiddenStatesConfig(
         layer_ids=LAYERS, max_length=128, batch_tokens=256, rows_per_shard=3, dtype="bfloat16", check_samples=2,

@@ -70,15 +70,9 @@ def reference(model_dir):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+def _ray_for_this_module(local_ray):
+    """Every test here runs under one local Ray (conftest's `local_ray`)."""
     yield
-    if started:
-        ray.shutdown()
 
 
 def completion_rows(vocab: int, seed: int = 0) -> list[dict]:
