@@ -2,6 +2,7 @@
 # Issue 13 on one H200 (after .gpu-wheels/install.sh; carries .cache/tiny-hybrid and .cache/dummy-hybrid-27b).
 # Each part is one device call; logs and JSON go to $OUT.
 #   bash bench/gpu_issue13.sh stage2   # GDN varlen vs once-per-sequence: exactness, speed, kernel profile
+#   bash bench/gpu_issue13.sh warm     # first engine start on the machine (compile cache), no limit
 #   bash bench/gpu_issue13.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
 #   bash bench/gpu_issue13.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
 set -u
@@ -15,17 +16,24 @@ stage2)
     --layouts packed:per_sequence packed:varlen --profile $OUT/kernels.txt 2>&1 | grep -v "Warning\|warn" \
     | tee $OUT/hybrid_stage2.log | grep -v "^ " | tail -8
   ;;
+warm)
+  # The engine's first start on a machine compiles (torch.compile, Triton autotuning; >200 s for this shape): do it
+  # once with no limit, in the same call as the install, so every measured contender after it starts warm.
+  export VLLM_LOGGING_LEVEL=INFO
+  timeout 560 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts 32 \
+    --only "plain+generate.sampling.max_tokens=16" --logs $OUT/logs 2>&1 | tee $OUT/warm.log | grep -v "^INFO\|^(\|^\[" | tail -12
+  ;;
 stage1)
-  # Warm-up first (compile cache and Triton autotuning for this engine config), so every contender starts warm.
+  # The three contenders in one call, each in its own process on the warm compile cache (run `warm` first).
   export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
-  timeout 570 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-512} \
-    --only "plain+generate.sampling.max_tokens=16" plain stage1 raydata --timeout 200 --logs $OUT/logs 2>&1 \
+  timeout 580 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-256} \
+    --only ${ONLY:-plain stage1 raydata} --timeout ${CT:-185} --logs $OUT/logs 2>&1 \
     | tee $OUT/stage1.log | grep -v "^INFO\|^(\|^\[" | tail -20
   ;;
 sweep)
   export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
-  timeout 570 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-512} \
+  timeout 580 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-256} \
     --only ${SWEEP:-"stage1+engine_kwargs.max_num_seqs=256" "stage1+engine_kwargs.max_num_seqs=64" "stage1+engine_kwargs.enable_prefix_caching=true"} \
-    --timeout 200 --logs $OUT/logs 2>&1 | tee $OUT/sweep.log | grep -v "^INFO\|^(\|^\[" | tail -20
+    --timeout ${CT:-185} --logs $OUT/logs 2>&1 | tee $OUT/sweep.log | grep -v "^INFO\|^(\|^\[" | tail -20
   ;;
 esac

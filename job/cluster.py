@@ -69,9 +69,10 @@ def this_node() -> str:
         return socket.gethostname()
 
 
-def model_missing_here(model: str) -> str | None:
+def model_missing_here(model: str, needs_weights: bool = True) -> str | None:
     """Why this node cannot load a local model path, or None. Run inside an engine or extractor, on its node,
-    before anything heavy is imported: a node staged without the model fails in seconds with its name."""
+    before anything heavy is imported: a node staged without the model fails in seconds with its name.
+    `needs_weights=False` for vLLM's `load_format: dummy` (benchmarks: config and tokenizer only)."""
     looks_local = model.startswith(("/", ".", "~"))
     if not looks_local and not os.path.exists(model):
         return None  # a hub name or s3:// URI: fetched by the loader
@@ -80,7 +81,7 @@ def model_missing_here(model: str) -> str | None:
         problem = "no such directory"
     elif not os.path.exists(os.path.join(path, "config.json")):
         problem = "no config.json in that directory"
-    elif not any(glob.glob(os.path.join(path, "**", p), recursive=True) for p in WEIGHT_PATTERNS):
+    elif needs_weights and not any(glob.glob(os.path.join(path, "**", p), recursive=True) for p in WEIGHT_PATTERNS):
         problem = f"no weight files ({', '.join(WEIGHT_PATTERNS)}) in that directory"
     else:
         return None

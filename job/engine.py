@@ -158,7 +158,7 @@ class CompletionGenerator:
 
         from job.cluster import model_missing_here
 
-        missing = model_missing_here(config["model"])  # before the heavy imports: a node without it fails in seconds
+        missing = model_missing_here(config["model"], config.get("engine_kwargs", {}).get("load_format") != "dummy")  # before the heavy imports: a node without it fails in seconds
         if missing:
             raise EngineStartError(missing)
         self.node_id = ray.get_runtime_context().get_node_id()
