@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from job import inputs, schema, storage  # noqa: E402
+from job import inputs, layout, storage  # noqa: E402
 from job.storage import StorageConfig  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     per_file = args.rows // args.files
     sc = StorageConfig()
     with tempfile.TemporaryDirectory() as d:
-        inp, out = Path(d, "in"), Path(d, "run", schema.COMPLETIONS_DIR)
+        inp, out = Path(d, "in"), Path(d, "run", layout.COMPLETIONS_DIR)
         inp.mkdir()
         out.mkdir(parents=True)
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ def build(work: str) -> None:
     import ray
     import pyarrow as pa
 
-    from job import schema, storage
+    from job import layout, schema, storage
     from job.config import HiddenStatesConfig, RunConfig
     from job.export import export
     from job.hidden_states import run_hidden_states
@@ -50,7 +50,7 @@ def build(work: str) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     for before in (False, True):
         run = os.path.join(work, "run-pre" if before else "run-post")
-        storage.write_shard(storage.join(run, schema.COMPLETIONS_DIR, "f00000-r0000000000-0000000006.arrow"),
+        storage.write_shard(storage.join(run, layout.COMPLETIONS_DIR, "f00000-r0000000000-0000000006.arrow"),
                             pa.Table.from_pylist(rows, schema=schema.completion_schema()))
         run_hidden_states(RunConfig(model=model, output=run, hidden_states=HiddenStatesConfig(
             layer_ids=[0, 1, 2, -1], max_length=128, batch_tokens=256, dtype="bfloat16",

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import inputs, prompts, quality, schema, storage
+from job import inputs, layout, prompts, quality, schema, storage
 from job.config import RunConfig, from_dict
 
 log = logging.getLogger("job.engine")
@@ -122,7 +122,6 @@ def is_gpu_platform() -> bool:
 
 
 # Per-unit attempt counts of the running job: <output>/attempts/<shard stem>.json, deleted when the shard is written.
-ATTEMPTS_DIR = "attempts"
 
 
 def _error_result(row_id: str, error: str) -> dict[str, Any]:
@@ -240,12 +239,12 @@ class CompletionGenerator:
             self.watchdog = asyncio.get_running_loop().create_task(self._watch())
             self.gate = asyncio.Semaphore(self.max_rows_in_flight)
         for i in range(len(batch["file_uri"])):
-            unit = inputs.WorkUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
+            unit = layout.CompletionUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
                                    int(batch["start"][i]), int(batch["stop"][i]),
                                    int(batch["seek_row"][i]), int(batch["seek_byte"][i]))
             yield await self._run_unit(unit)
 
-    async def _run_unit(self, unit: inputs.WorkUnit) -> dict[str, list]:
+    async def _run_unit(self, unit: layout.CompletionUnit) -> dict[str, list]:
         started = time.monotonic()
         table = await asyncio.to_thread(inputs.read_unit, unit, self.config.storage, self.carried_schema)
         rows, undecodable = _decode_rows(table)
@@ -283,7 +282,7 @@ class CompletionGenerator:
         if source != list(range(table.num_rows)):  # carried columns repeated for each turn of a conversation
             table = table.take(pa.array(source, pa.int64()))
         out = self._to_table(table, results)
-        uri = storage.join(self.config.output, schema.COMPLETIONS_DIR, unit.shard_name)
+        uri = storage.join(self.config.output, layout.COMPLETIONS_DIR, unit.shard_name)
         await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
         await asyncio.to_thread(self._forget_attempts, unit)
         return {
@@ -298,10 +297,10 @@ class CompletionGenerator:
             "node": [self.node_id],
         }
 
-    def _attempts_uri(self, unit: inputs.WorkUnit) -> str:
-        return storage.join(self.config.output, ATTEMPTS_DIR, unit.shard_name[:-len(schema.SHARD_SUFFIX)] + ".json")
+    def _attempts_uri(self, unit: layout.CompletionUnit) -> str:
+        return storage.join(self.config.output, layout.attempts_name(unit))
 
-    def _count_attempt(self, unit: inputs.WorkUnit) -> int:
+    def _count_attempt(self, unit: layout.CompletionUnit) -> int:
         """This unit's attempt number in this job, counted in the run directory (an actor that dies forgets)."""
         uri = self._attempts_uri(unit)
         try:
@@ -312,7 +311,7 @@ class CompletionGenerator:
         storage.write_json(uri, {"job": self.job_token, "attempts": attempt}, self.config.storage)
         return attempt
 
-    def _forget_attempts(self, unit: inputs.WorkUnit) -> None:
+    def _forget_attempts(self, unit: layout.CompletionUnit) -> None:
         try:
             storage.delete(self._attempts_uri(unit), self.config.storage)
         except (OSError, storage.StorageError):

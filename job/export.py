@@ -49,7 +49,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from job import schema, storage
+from job import layout, schema, storage
 from job.config import ConfigError
 
 TARGETS = {"specforge": ("dflash", "eagle3", "conversations"), "speculators": ("dflash", "eagle3")}
@@ -371,9 +371,9 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
     if to == "specforge" and format == "conversations":
         return export_conversations(run, output=output, storage_config=storage_config)
-    shard_uris = storage.list_files(storage.join(run, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
+    shard_uris = storage.list_files(storage.join(run, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
     if not shard_uris:
-        raise ExportError(f"export: no hidden-state shards under {storage.join(run, schema.HIDDEN_STATES_DIR)}: run "
+        raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
     layer_ids, num_layers, before_norm, model = _run_layout(shard_uris, storage_config)
     plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers)
@@ -580,8 +580,8 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
     `output/dropped.jsonl` with the reason; `export.json` counts both and checks they add up to the input."""
     from job import runs
 
-    completions = storage.join(run, schema.COMPLETIONS_DIR)
-    uris = storage.list_files(completions, schema.SHARD_SUFFIX, storage_config)
+    completions = storage.join(run, layout.COMPLETIONS_DIR)
+    uris = storage.list_files(completions, layout.SHARD_SUFFIX, storage_config)
     if not uris:
         raise ExportError(f"export: no completion shards under {completions}")
     config = (runs.read_run_json(run, storage_config) or {}).get("config", {})

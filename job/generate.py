@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import inputs, lock, progress, quality, report, runs, schema, storage
+from job import inputs, layout, lock, progress, quality, report, runs, storage
 from job.config import ConfigError, RunConfig
 
 log = logging.getLogger("job.generate")
@@ -164,9 +164,9 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
 
     with lock.WriterLock(config, "generate", take_over=take_lock):
         # 2. What is left: the output listing minus the wanted row ranges.
-        completions = storage.join(config.output, schema.COMPLETIONS_DIR)
+        completions = storage.join(config.output, layout.COMPLETIONS_DIR)
         storage.remove_temp_files(completions)  # what a killed writer left; we hold the lock, nobody writes now
-        done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)]
+        done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, layout.SHARD_SUFFIX, config.storage)]
         done_rows = inputs.count_done_rows(files, done, config.limit)
         canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
         run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
@@ -265,7 +265,7 @@ def _consume(config: RunConfig, summaries, summary: GenerateSummary, tracker: pr
     summary.generation_seconds = time.monotonic() - window_start if window_start else 0.0
 
 
-def _start_pipeline(config: RunConfig, units: list[inputs.WorkUnit], carried: pa.Schema,
+def _start_pipeline(config: RunConfig, units: list[layout.CompletionUnit], carried: pa.Schema,
                     chat_template: str | None, engines: tuple[int, int]):
     import ray
 

@@ -27,13 +27,14 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import pyarrow.ipc as ipc
 
-from job import lock, runs, schema, storage
+from job import layout, lock, runs, schema, storage
 from job.config import ConfigError, RunConfig
+from job.layout import HiddenStateUnit
 from job.exactness import compare, pick_samples, reference_features, split_features, tolerance_for, verdict
 from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenStateCheckError, hidden_states_schema,
                            iter_records, part_table, plan_parts, resolve_layer_ids, samples_from_completions,
@@ -42,8 +43,6 @@ from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenState
 __all__ = ["run_hidden_states", "estimate_storage", "dataset", "collate", "load", "HiddenStateCheckError"]
 
 STAGE = "hidden_states"
-DONE_DIR = "_done"
-REPORT_NAME = "hidden_states.json"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -51,44 +50,13 @@ REPORT_NAME = "hidden_states.json"
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Unit:
-    uri: str
-    """Completion shard."""
-    stem: str
-    """Its name without `.arrow`; every output name of the unit starts with it."""
-    num_rows: int
-    """Rows this unit reads from the shard (all of them, or the first `row_limit`)."""
-    row_limit: int | None = None
-    existing: list[str] = field(default_factory=list)
-    """Names of this unit's files already under hidden_states/ (the driver lists once for all units)."""
-
-    @property
-    def tag(self) -> str:
-        return self.stem if self.row_limit is None else f"{self.stem}-n{self.row_limit}"
-
-    def part_name(self, index: int) -> str:
-        return f"{self.tag}-p{index:04d}{schema.SHARD_SUFFIX}"
-
-    @property
-    def marker_name(self) -> str:
-        return f"{DONE_DIR}/{self.tag}.json"
-
-    def owns(self, name: str) -> bool:
-        """Whether `name` (relative to hidden_states/) is a part or marker of this shard, under any limit."""
-        base = name[len(DONE_DIR) + 1:] if name.startswith(DONE_DIR + "/") else name
-        return re.fullmatch(re.escape(self.stem) + r"(-n\d+)?(-p\d{4}\.arrow|\.json)", base) is not None
-
-
 def _out_dir(config: RunConfig) -> str:
-    return storage.join(config.output, schema.HIDDEN_STATES_DIR)
+    return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
 def _num_rows(uri: str, config: RunConfig) -> int:
     """Rows of a completion shard: from stage 1's name (`f00000-r0000000000-0000000064`) or its footer."""
-    from job.inputs import parse_shard_name
-
-    parsed = parse_shard_name(uri.rsplit("/", 1)[-1])
+    parsed = layout.parse_completion_shard_name(uri.rsplit("/", 1)[-1])
     if parsed:
         return parsed[2] - parsed[1]
     fs, path = storage.resolve(uri, config.storage)
@@ -101,21 +69,21 @@ def _num_rows(uri: str, config: RunConfig) -> int:
     return storage.with_retries(count, what=f"read {uri}", storage=config.storage)
 
 
-def plan_units(config: RunConfig) -> list[Unit]:
+def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
     """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows."""
-    completions = storage.join(config.output, schema.COMPLETIONS_DIR)
-    uris = storage.list_files(completions, schema.SHARD_SUFFIX, config.storage)
+    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
+    uris = storage.list_files(completions, layout.SHARD_SUFFIX, config.storage)
     if not uris:
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
     units, left = [], config.limit
     for uri in uris:
         n = _num_rows(uri, config)
-        stem = uri[len(completions) + 1:-len(schema.SHARD_SUFFIX)].replace("/", "__")
+        stem = layout.hidden_state_stem(uri, completions)
         if left is not None and n >= left:
-            units.append(Unit(uri=uri, stem=stem, num_rows=left, row_limit=left if left < n else None))
+            units.append(HiddenStateUnit(uri=uri, stem=stem, num_rows=left, row_limit=left if left < n else None))
             break
-        units.append(Unit(uri=uri, stem=stem, num_rows=n))
+        units.append(HiddenStateUnit(uri=uri, stem=stem, num_rows=n))
         if left is not None:
             left -= n
     existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
@@ -125,25 +93,25 @@ def plan_units(config: RunConfig) -> list[Unit]:
     return units
 
 
-def _remove_outputs(config: RunConfig, units: list[Unit]) -> None:
+def _remove_outputs(config: RunConfig, units: list[HiddenStateUnit]) -> None:
     """Delete every unit's parts and markers: markers first, so a crash in between leaves units not-done."""
     out = _out_dir(config)
-    for name in sorted((n for u in units for n in u.existing), key=lambda n: not n.startswith(DONE_DIR)):
+    for name in sorted((n for u in units for n in u.existing), key=lambda n: not n.startswith(layout.DONE_DIR)):
         storage.delete(storage.join(out, name), config.storage)
     for unit in units:
         unit.existing = []
 
 
-def _take_covering_marker(unit: Unit, config: RunConfig) -> None:
+def _take_covering_marker(unit: HiddenStateUnit, config: RunConfig) -> None:
     """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
     done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
     if unit.row_limit is None:
         return
     covering: list[tuple[float, int | None]] = []
     for name in unit.existing:
-        m = re.fullmatch(re.escape(DONE_DIR + "/" + unit.stem) + r"(?:-n(\d+))?\.json", name)
-        if m:
-            covering.append((float("inf"), None) if m[1] is None else (int(m[1]), int(m[1])))
+        parsed = layout.parse_marker_name(name)
+        if parsed and parsed[0] == unit.stem:
+            covering.append((float("inf"), None) if parsed[1] is None else (parsed[1], parsed[1]))
     if covering:
         rows, limit = max(covering, key=lambda c: c[0])
         if rows >= unit.row_limit:
@@ -178,7 +146,7 @@ def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
 
 
 
-def _kept_tokens(unit: Unit, config: RunConfig) -> tuple[int, int]:
+def _kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
     hs = config.hidden_states
     cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
     t = storage.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
@@ -192,7 +160,7 @@ def _kept_tokens(unit: Unit, config: RunConfig) -> tuple[int, int]:
     return int(keep.sum()), int(np.minimum(n, hs.max_length)[keep].sum())
 
 
-def estimate_storage(config: RunConfig, units: list[Unit] | None = None) -> dict:
+def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = None) -> dict:
     """What the run will store: bytes per token and the total for the input (clipping and skipped rows counted;
     reads only the length columns of the completion shards)."""
     hs = config.hidden_states
@@ -204,7 +172,7 @@ def estimate_storage(config: RunConfig, units: list[Unit] | None = None) -> dict
     feature_bytes = len(layer_ids) * hidden * ITEMSIZE[hs.dtype]
     per_token = feature_bytes + 4 + 1  # + input_ids (int32) + loss_mask (uint8)
     tokens = sum(t for _, t in counts)
-    pending = sum(t for u, (_, t) in zip(units, counts) if u.marker_name not in u.existing)
+    pending = sum(t for u, (_, t) in zip(units, counts) if not u.done)
     return {"bytes_per_token": per_token, "feature_bytes_per_token": feature_bytes, "num_layers": len(layer_ids),
             "layer_ids": layer_ids, "hidden_size": hidden, "dtype": hs.dtype,
             "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
@@ -303,26 +271,24 @@ class HiddenStateExtractor:
 
     def __call__(self, batch: dict):
         for i in range(len(batch["uri"])):
-            unit = Unit(uri=str(batch["uri"][i]), stem=str(batch["stem"][i]), num_rows=int(batch["num_rows"][i]),
-                        row_limit=None if batch["row_limit"][i] < 0 else int(batch["row_limit"][i]),
-                        existing=json.loads(batch["existing"][i]))
+            unit = HiddenStateUnit.from_row({k: batch[k][i] for k in batch})
             yield from (self._write(unit) if self.mode == "write" else self._stream(unit))
 
-    def _samples(self, unit: Unit):
+    def _samples(self, unit: HiddenStateUnit):
         hs, cfg = self.config.hidden_states, self.config
         table = storage.read_shard(unit.uri, cfg.storage)
         samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
                                                     row_limit=unit.row_limit)
         return plan_parts(samples, hs.rows_per_shard), skipped
 
-    def _write(self, unit: Unit):
+    def _write(self, unit: HiddenStateUnit):
         cfg, out = self.config, _out_dir(self.config)
         started = time.monotonic()
         parts, skipped = self._samples(unit)
         names = [unit.part_name(j) for j in range(len(parts))]
         # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
         # not-done (it is redone), never done-but-incomplete.
-        stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(DONE_DIR))
+        stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(layout.DONE_DIR))
         for name in stale:
             storage.delete(storage.join(out, name), cfg.storage)
         todo = [(j, p) for j, p in enumerate(parts) if names[j] not in unit.existing]
@@ -362,7 +328,7 @@ class HiddenStateExtractor:
         storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
         yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
 
-    def _stream(self, unit: Unit):
+    def _stream(self, unit: HiddenStateUnit):
         parts, _ = self._samples(unit)
         view = STREAM_DTYPES[self.config.hidden_states.dtype]
         L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
@@ -429,7 +395,7 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
-def _pipeline(config: RunConfig, units: list[Unit], layer_ids: list[int], mode: str):
+def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str):
     import ray
 
     from job.config import to_dict
@@ -440,8 +406,7 @@ def _pipeline(config: RunConfig, units: list[Unit], layer_ids: list[int], mode: 
     if config.hidden_states.backend == "vllm" and not gpus:
         raise ConfigError(vllm_unavailable_reason() or "hidden_states.backend 'vllm' needs a GPU in the cluster")
     workers = config.hidden_states.num_workers or max(1, gpus)
-    rows = [{"uri": u.uri, "stem": u.stem, "num_rows": u.num_rows, "row_limit": -1 if u.row_limit is None
-             else u.row_limit, "existing": json.dumps(u.existing)} for u in units]
+    rows = [u.to_row() for u in units]
     # The exactness self-check of every worker uses samples of the first unit: the run's own data.
     check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
     # One block per unit, so each unit is its own task: a replaced actor retries exactly its own units.
@@ -515,12 +480,12 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
                                    consequence="mix features made two ways in one output")
 
     with lock.WriterLock(config, STAGE, take_over=take_lock):
-        storage.remove_temp_files(storage.join(config.output, schema.HIDDEN_STATES_DIR))  # killed writers' leftovers
+        storage.remove_temp_files(storage.join(config.output, layout.HIDDEN_STATES_DIR))  # killed writers' leftovers
         if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
             print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
                   "shard's hidden states with the new settings", flush=True)
             _remove_outputs(config, units)
-        pending = [u for u in units if u.marker_name not in u.existing]
+        pending = [u for u in units if not u.done]
         estimate = estimate_storage(config, units)
         print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
               f"{_human(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
@@ -576,7 +541,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     return summary
 
 
-def _report(config: RunConfig, units: list[Unit], layer_ids: list[int], hidden: int, estimate: dict,
+def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], hidden: int, estimate: dict,
             this_run: dict, seconds: float, total_seconds: float) -> dict:
     """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
     out = _out_dir(config)
@@ -598,7 +563,7 @@ def _report(config: RunConfig, units: list[Unit], layer_ids: list[int], hidden: 
                          "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
     shards = _list_sizes(out, config)
     tokens_now = this_run.get("num_tokens_extracted", 0)
-    report_uri = storage.join(config.output, schema.REPORTS_DIR, REPORT_NAME)
+    report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
     summary = {
         **totals,
         "model": config.model, "layer_ids": layer_ids, "hidden_size": hidden, "dtype": config.hidden_states.dtype,
@@ -626,7 +591,7 @@ def _list_sizes(uri: str, config: RunConfig) -> dict[str, int]:
     infos = storage.with_retries(fs.get_file_info, pafs.FileSelector(path, recursive=True, allow_not_found=True),
                                  what=f"list {uri}", storage=config.storage)
     return {storage.join(uri, i.path[len(path):].lstrip("/")): int(i.size) for i in infos
-            if i.type == pafs.FileType.File and i.path.endswith(schema.SHARD_SUFFIX) and not i.base_name.startswith(".")}
+            if i.type == pafs.FileType.File and i.path.endswith(layout.SHARD_SUFFIX) and not i.base_name.startswith(".")}
 
 
 def dataset(config: RunConfig):
@@ -649,7 +614,7 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     from job.config import to_dict
     from job.generate import ensure_ray
 
-    uris = storage.list_files(_out_dir(config), schema.SHARD_SUFFIX, config.storage)
+    uris = storage.list_files(_out_dir(config), layout.SHARD_SUFFIX, config.storage)
     if not uris:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
     step = max(1, len(uris) // num_samples)
@@ -702,6 +667,6 @@ def load(run_uri: str, storage_config: storage.StorageConfig | None = None):
     """Yield one dict per sample of a run's hidden-state shards: `id`, `input_ids` (int32), `loss_mask` (uint8),
     `layer_ids`, `hidden_states` ([num_tokens, num_layers, hidden] torch tensor in the stored dtype, a view of
     the memory-mapped file for local runs: no copy; read-only), `clipped`, `original_num_tokens`."""
-    uris = storage.list_files(storage.join(run_uri, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
+    uris = storage.list_files(storage.join(run_uri, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
     for uri in uris:
         yield from iter_records(storage.read_shard(uri, storage_config, memory_map=True))

@@ -15,9 +15,8 @@ ones, and cutting what is left into new units. The bookkeeping is O(number of sh
 from __future__ import annotations
 
 import hashlib
-import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +24,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from job import arrow_input, jsonl_input, schema, storage
+from job import arrow_input, jsonl_input, layout, schema, storage
+from job.layout import CompletionUnit
 from job.storage import StorageConfig
 
 
@@ -47,36 +47,6 @@ class InputFile:
     """parquet, jsonl or arrow."""
     checkpoints: tuple[int, ...] = field(default=(), compare=False, repr=False)
     """Plain JSONL: byte offset of every jsonl_input.CHECKPOINT_ROWS-th row, so a unit can seek to its rows."""
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    file_index: int
-    file_uri: str
-    start: int
-    stop: int
-    seek_row: int = 0
-    seek_byte: int = 0
-    """Plain JSONL: read from this byte offset, where row `seek_row` (a checkpoint at or before `start`) begins."""
-
-    @property
-    def shard_name(self) -> str:
-        return f"f{self.file_index:05d}-r{self.start:010d}-{self.stop:010d}{schema.SHARD_SUFFIX}"
-
-    @property
-    def num_rows(self) -> int:
-        return self.stop - self.start
-
-    def to_row(self) -> dict:
-        return asdict(self)
-
-
-_SHARD_RE = re.compile(r"(?:^|/)f(\d{5,})-r(\d{10})-(\d{10})\.arrow$")  # f00000…f99999, then f100000…
-
-
-def parse_shard_name(name: str) -> tuple[int, int, int] | None:
-    m = _SHARD_RE.search(name)
-    return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,7 +300,7 @@ def read_rows(uri: str, storage_config: StorageConfig, columns: list[str] | None
         raise InputError(f"input file {uri} could not be read: {_short(e)}") from None
 
 
-def read_unit(unit: WorkUnit, storage_config: StorageConfig, carried: pa.Schema) -> pa.Table:
+def read_unit(unit: CompletionUnit, storage_config: StorageConfig, carried: pa.Schema) -> pa.Table:
     """The rows of one work unit, whatever the format (`carried`: the input's columns, as validation found them)."""
     if format_of(unit.file_uri) != "jsonl":
         return read_rows(unit.file_uri, storage_config, None, unit.start, unit.stop)
@@ -427,17 +397,17 @@ def wanted_ranges(files: list[InputFile], limit: int | None) -> list[tuple[int, 
 
 
 def pending_units(files: list[InputFile], done_shard_names: list[str], limit: int | None,
-                  rows_per_shard: int, first_unit_rows: int | None = None) -> list[WorkUnit]:
+                  rows_per_shard: int, first_unit_rows: int | None = None) -> list[CompletionUnit]:
     """Cut the wanted rows not covered by a done shard into units of `rows_per_shard` rows.
 
     `first_unit_rows` makes the first units of the run smaller (the canary: their rows come back first).
     """
     covered: dict[int, list[tuple[int, int]]] = {}
     for name in done_shard_names:
-        parsed = parse_shard_name(name)
+        parsed = layout.parse_completion_shard_name(name)
         if parsed:
             covered.setdefault(parsed[0], []).append((parsed[1], parsed[2]))
-    units: list[WorkUnit] = []
+    units: list[CompletionUnit] = []
     small_left = first_unit_rows or 0
     for file_index, start, stop in wanted_ranges(files, limit):
         gaps, pos = [], start
@@ -458,7 +428,7 @@ def pending_units(files: list[InputFile], done_shard_names: list[str], limit: in
                     small_left -= size
                 end = min(ge, pos + size)
                 seek_row, seek_byte = jsonl_input.checkpoint_for(files[file_index].checkpoints, pos)
-                units.append(WorkUnit(file_index, files[file_index].uri, pos, end, seek_row, seek_byte))
+                units.append(CompletionUnit(file_index, files[file_index].uri, pos, end, seek_row, seek_byte))
                 pos = end
     return units
 
@@ -467,7 +437,7 @@ def count_done_rows(files: list[InputFile], done_shard_names: list[str], limit: 
     wanted = {i: (s, e) for i, s, e in wanted_ranges(files, limit)}
     total = 0
     for name in done_shard_names:
-        parsed = parse_shard_name(name)
+        parsed = layout.parse_completion_shard_name(name)
         if parsed and parsed[0] in wanted:
             lo, hi = wanted[parsed[0]]
             total += max(0, min(hi, parsed[2]) - max(lo, parsed[1]))

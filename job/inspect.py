@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from job import schema, storage
+from job import layout, schema, storage
 from job.report import completion_shards, error_kind
 from job.runs import read_run_json
 from job.storage import StorageConfig
@@ -81,7 +81,7 @@ def run_overview(run_uri: str, storage_config: StorageConfig | None = None) -> d
     """run.json, condensed: model, sampling, stage statuses, versions, git sha, and the full config."""
     run = read_run_json(run_uri, storage_config)
     if run is None:
-        raise ValueError(f"{run_uri}: no {schema.RUN_JSON} there, so it is not a run directory. Set RUN_DIR to the "
+        raise ValueError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory. Set RUN_DIR to the "
                          "--output of a `python -m job generate` run (local path or s3:// URI).")
     config, gen = run.get("config", {}), run.get("generate", {})
     hs = run.get("hidden_states", {})  # stage 2's section of run.json
@@ -413,7 +413,7 @@ def render_sample(row: dict, tokenizer=None, max_chars: int = 1200) -> str:
 
 
 def hidden_state_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    return storage.list_files(storage.join(run_uri, schema.HIDDEN_STATES_DIR), schema.SHARD_SUFFIX, storage_config)
+    return storage.list_files(storage.join(run_uri, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
 
 
 def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = None) -> dict | None:

@@ -165,7 +165,7 @@ def _recorded_tokens_per_s(run: dict, report: dict | None) -> float | None:
 
 def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = None) -> dict:
     """What a run measured: tokens per prompt, bytes per token, tokens/s per GPU (None if it cannot be known)."""
-    from job import schema, storage
+    from job import layout, storage
     from job.runs import read_run_json
     from job.status import measure_rate, scan_completions
     from job.storage import StorageConfig
@@ -173,8 +173,8 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     storage_config = storage_config or StorageConfig()
     run = read_run_json(run_uri, storage_config)
     if run is None:
-        raise PlanError(f"--from {run_uri}: no {schema.RUN_JSON} there, so it is not a run directory")
-    report_uri = storage.join(run_uri, schema.REPORTS_DIR, "generate.json")
+        raise PlanError(f"--from {run_uri}: no {layout.RUN_JSON} there, so it is not a run directory")
+    report_uri = storage.join(run_uri, layout.REPORTS_DIR, "generate.json")
     report = storage.read_json(report_uri, storage_config) if storage.exists(report_uri, storage_config) else None
     shards = scan_completions(run_uri, storage_config)
     rows = sum(s.num_rows for s in shards)

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from job import schema, storage
+from job import layout, schema, storage
 from job.storage import StorageConfig
 
 _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
@@ -20,7 +20,7 @@ _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, sc
 
 
 def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    return storage.list_files(storage.join(run_uri, schema.COMPLETIONS_DIR), schema.SHARD_SUFFIX, storage_config)
+    return storage.list_files(storage.join(run_uri, layout.COMPLETIONS_DIR), layout.SHARD_SUFFIX, storage_config)
 
 
 def read_completion_columns(run_uri: str, columns: list[str] | None = None,
@@ -99,7 +99,7 @@ def format_report(report: dict) -> str:
 
 def write_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
     report = build_report(run_uri, storage_config)
-    storage.write_json(storage.join(run_uri, schema.REPORTS_DIR, "generate.json"), report, storage_config)
+    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, "generate.json"), report, storage_config)
     return report
 
 
@@ -117,8 +117,8 @@ def print_summary(config, summary) -> None:
         print(format_report(report))
     print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
           f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
-    print(f"shards:  {storage.join(config.output, schema.COMPLETIONS_DIR)}/*.arrow  (report: "
-          f"{storage.join(config.output, schema.REPORTS_DIR, 'generate.json')})")
+    print(f"shards:  {storage.join(config.output, layout.COMPLETIONS_DIR)}/*.arrow  (report: "
+          f"{storage.join(config.output, layout.REPORTS_DIR, 'generate.json')})")
     print(f"look at them: make notebook RUN_DIR={config.output}, or "
           f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
           "format='arrow')")

@@ -17,7 +17,7 @@ import subprocess
 import time
 from importlib import metadata
 
-from job import schema, storage
+from job import layout, storage
 from job.config import RunConfig, to_dict
 
 # Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.` and camelCase):
@@ -50,7 +50,7 @@ class RunError(ValueError):
 
 
 def run_json_uri(output: str) -> str:
-    return storage.join(output, schema.RUN_JSON)
+    return storage.join(output, layout.RUN_JSON)
 
 
 def package_versions() -> dict[str, str]:

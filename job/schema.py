@@ -133,12 +133,3 @@ LAYER_CONVENTION = ("layer k = output of decoder layer k (0-based) = transformer
 LAYER_CONVENTION_BEFORE_NORM = ("layer k = output of decoder layer k (0-based) = transformers "
                                 "output_hidden_states[k + 1], except the last layer, which is the final decoder "
                                 "layer's output before the final norm; vLLM/speculators id = k + 1")
-
-# ---------------------------------------------------------------------------------------------------------------
-# Run directory layout
-# ---------------------------------------------------------------------------------------------------------------
-RUN_JSON = "run.json"
-COMPLETIONS_DIR = "completions"
-HIDDEN_STATES_DIR = "hidden_states"
-REPORTS_DIR = "reports"
-SHARD_SUFFIX = ".arrow"

@@ -27,8 +27,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import schema, storage
-from job.inputs import parse_shard_name
+from job import layout, schema, storage
 from job.storage import StorageConfig
 
 # Columns a shard scan reads; everything else (token lists, texts, carried columns) stays on disk.
@@ -60,17 +59,17 @@ class ShardStat:
 def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[str, float, int]]:
     """(name, mtime, size) of every `.arrow` shard under `directory`; [] when it does not exist yet."""
     return [(name, mtime or 0.0, size)
-            for name, size, mtime in storage.list_file_infos(directory, schema.SHARD_SUFFIX, storage_config)]
+            for name, size, mtime in storage.list_file_infos(directory, layout.SHARD_SUFFIX, storage_config)]
 
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
                      num_threads: int = 32) -> list[ShardStat]:
     """Every completion shard of a run with its counts, sorted by modification time."""
     storage_config = storage_config or StorageConfig()
-    directory = storage.join(run_uri, schema.COMPLETIONS_DIR)
+    directory = storage.join(run_uri, layout.COMPLETIONS_DIR)
     stats = []
     for name, mtime, size in _list_shards(directory, storage_config):
-        parsed = parse_shard_name(name)
+        parsed = layout.parse_completion_shard_name(name)
         if parsed is None:  # not ours (a file someone copied in): ignored, never counted
             continue
         stats.append(ShardStat(name=name, file_index=parsed[0], start=parsed[1], stop=parsed[2], mtime=mtime,
@@ -185,17 +184,17 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
     last part, a marker `hidden_states/_done/<stem>[-n<limit>].json` (`<stem>`: the shard's name, `/` → `__`).
     A shard's rows are done when its full marker exists; a `--limit` run's marker covers its first <limit> rows.
     Markers also carry the sample and token counts, read only when `read_markers` (one small GET each)."""
-    hidden_dir = storage.join(run_uri, schema.HIDDEN_STATES_DIR)
+    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
     files = [(name, mtime, size) for name, size, mtime in storage.list_file_infos(hidden_dir, "", storage_config)]
     if not files and not run.get("hidden_states"):
         return None
     done_prefix = "_done/"
     markers = {n[len(done_prefix):-len(".json")]: n for n, _, _ in files
                if n.startswith(done_prefix) and n.endswith(".json")}
-    parts = [(n, size) for n, _, size in files if n.endswith(schema.SHARD_SUFFIX) and "/" not in n]
+    parts = [(n, size) for n, _, size in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
     rows_done, used = 0, []
     for shard in shards:
-        stem = shard.name[:-len(schema.SHARD_SUFFIX)].replace("/", "__")
+        stem = shard.name[:-len(layout.SHARD_SUFFIX)].replace("/", "__")
         if stem in markers:
             rows_done += shard.num_rows
             used.append(markers[stem])
@@ -239,7 +238,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     now = time.time() if now is None else now
     run = read_run_json(run_uri, storage_config)
     if run is None:
-        raise ValueError(f"{run_uri}: no {schema.RUN_JSON} there, so it is not a run directory (or not yet: "
+        raise ValueError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: "
                          "`generate` writes it before the first shard)")
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")

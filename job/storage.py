@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
-from job.schema import SHARD_SUFFIX
+from job.layout import SHARD_SUFFIX
 
 
 class StorageError(RuntimeError):

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from job import schema, storage
+from job import layout, schema, storage
 from job.config import HiddenStatesConfig, RunConfig
 from job.export import ExportError, collate, export, make_plan, stream
 from job.hidden_states import load, run_hidden_states
@@ -125,7 +125,7 @@ def runs(request, tmp_path_factory, local_ray):
     out = {}
     for before in (False, True):
         run = str(tmp_path_factory.mktemp(f"{request.param}-{'pre' if before else 'post'}"))
-        storage.write_shard(storage.join(run, schema.COMPLETIONS_DIR, "f00000-r0000000000-0000000007.arrow"),
+        storage.write_shard(storage.join(run, layout.COMPLETIONS_DIR, "f00000-r0000000000-0000000007.arrow"),
                             completion_table(vocab))
         run_hidden_states(hs_config(model_dir, run, before))
         out[before] = run
@@ -349,7 +349,7 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
     carried = pa.schema([pa.field("id", pa.string()), pa.field("messages", pa.string()),
                          pa.field("prompt", pa.string())])
     run = str(tmp_path / "run")
-    storage.write_shard(os.path.join(run, schema.COMPLETIONS_DIR, "f00000-r0000000000-0000000012.arrow"),
+    storage.write_shard(os.path.join(run, layout.COMPLETIONS_DIR, "f00000-r0000000000-0000000012.arrow"),
                         pa.Table.from_pylist(rows, schema=schema.completion_schema(carried)))
     out = str(tmp_path / "conv")
     summary = export(run, to="specforge", format="conversations", output=out)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from job import schema, storage
+from job import layout, schema, storage
 from job.config import ConfigError, HiddenStatesConfig, RunConfig
 from job.extractor import (HiddenStateCheckError, Sample, TransformersExtractor, check_features, iter_records,
                            load_model, plan_parts)
@@ -102,9 +102,9 @@ def completion_rows(vocab: int, seed: int = 0) -> list[dict]:
 def write_completions(run: str, rows: list[dict], storage_config=None) -> None:
     for s, e in SHARDS:
         table = pa.Table.from_pylist(rows[s:e], schema=schema.completion_schema())
-        storage.write_shard(storage.join(run, schema.COMPLETIONS_DIR, f"f00000-r{s:010d}-{e:010d}.arrow"), table,
+        storage.write_shard(storage.join(run, layout.COMPLETIONS_DIR, f"f00000-r{s:010d}-{e:010d}.arrow"), table,
                             storage_config)
-    storage.write_json(storage.join(run, schema.RUN_JSON), {"config": {"model": "stage-1-model"}}, storage_config)
+    storage.write_json(storage.join(run, layout.RUN_JSON), {"config": {"model": "stage-1-model"}}, storage_config)
 
 
 def hs_config(model_dir: str, output: str, **hs) -> RunConfig:
@@ -120,7 +120,7 @@ def kept(rows: list[dict], keep_flagged: bool = True, limit: int | None = None) 
 
 
 def part_files(run: str) -> list[str]:
-    return sorted(os.listdir(os.path.join(run, schema.HIDDEN_STATES_DIR)))
+    return sorted(os.listdir(os.path.join(run, layout.HIDDEN_STATES_DIR)))
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
 
     # A crash mid-unit: one part and the unit's marker missing. The rerun writes exactly that part again: the same
     # rows, the same features (up to float rounding: its rows now share batches with no other part's).
-    hs_dir = os.path.join(run, schema.HIDDEN_STATES_DIR)
+    hs_dir = os.path.join(run, layout.HIDDEN_STATES_DIR)
     victim = os.path.join(hs_dir, "f00000-r0000000008-0000000020-p0001.arrow")
     before = storage.read_shard(victim)
     mtimes = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
@@ -316,10 +316,10 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
     run = str(tmp_path)
     rows = completion_rows(vocab_size, seed=3)
     write_completions(run, rows)
-    last = os.path.join(run, schema.COMPLETIONS_DIR, f"f00000-r{SHARDS[-1][0]:010d}-{SHARDS[-1][1]:010d}.arrow")
+    last = os.path.join(run, layout.COMPLETIONS_DIR, f"f00000-r{SHARDS[-1][0]:010d}-{SHARDS[-1][1]:010d}.arrow")
     held_back = tmp_path.parent / f"{tmp_path.name}-held-back.arrow"
     os.rename(last, held_back)
-    storage.write_json(storage.join(run, schema.RUN_JSON), {"config": {"model": "stage-1-model"}, "generate": {
+    storage.write_json(storage.join(run, layout.RUN_JSON), {"config": {"model": "stage-1-model"}, "generate": {
         "status": "running", "input": {"num_rows": SHARDS[-1][1]}}})
     config = hs_config(dense_dir, run)
 
@@ -332,12 +332,12 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
     assert status.build_status(run)["hidden_states"]["status"] == "partial"
 
     # Stage 1 finishes; the rerun extracts exactly the added shard (the earlier parts are not rewritten).
-    hs_dir = os.path.join(run, schema.HIDDEN_STATES_DIR)
+    hs_dir = os.path.join(run, layout.HIDDEN_STATES_DIR)
     before = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
     os.rename(held_back, last)
     run_json = read_run_json(run, None)
     run_json["generate"]["status"] = "complete"
-    storage.write_json(storage.join(run, schema.RUN_JSON), run_json)
+    storage.write_json(storage.join(run, layout.RUN_JSON), run_json)
     summary = run_hidden_states(config)
     added = kept(rows[SHARDS[-1][0]:SHARDS[-1][1]])
     new_parts = [n for n in part_files(run) if n.endswith(".arrow") and n not in before]
@@ -517,7 +517,7 @@ def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run
 
     altered = str(tmp_path / "altered")
     shutil.copytree(run, altered)
-    uri = sorted((tmp_path / "altered" / schema.HIDDEN_STATES_DIR).glob("*.arrow"))[0]
+    uri = sorted((tmp_path / "altered" / layout.HIDDEN_STATES_DIR).glob("*.arrow"))[0]
     table = storage.read_shard(str(uri))
     records = list(iter_records(table))
     features = torch.cat([r["hidden_states"].reshape(-1) for r in records]).clone()

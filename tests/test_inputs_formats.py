@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import read_run
 
-from job import inputs, jsonl_input, prompts, storage
+from job import inputs, jsonl_input, layout, prompts, storage
 from job.storage import StorageConfig
 
 SC = StorageConfig()
@@ -108,7 +108,7 @@ def write_all_formats(tmp_path, rows: list[dict]) -> dict[str, str]:
     return out
 
 
-def read_all_units(uri: str, rows_per_shard: int) -> tuple[list[inputs.WorkUnit], list[dict]]:
+def read_all_units(uri: str, rows_per_shard: int) -> tuple[list[layout.CompletionUnit], list[dict]]:
     files = inputs.list_input_files(uri, SC)
     carried = inputs.validate_input(files, SC)
     units = inputs.pending_units(files, [], None, rows_per_shard)

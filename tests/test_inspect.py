@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import DEMO_CONFIG, REPO, read_run, simple_prompts, write_prompts
 
-from job import inspect as ji
+from job import inspect as ji, layout
 from job import report, schema, storage
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
@@ -139,7 +139,7 @@ def test_read_rows_equals_full_read(run_dir, rows, table):
 
 def test_run_without_shards_yet(stage1_dir, tmp_path):
     """A run whose driver wrote run.json but no shard yet: every helper answers with empty data, none raises."""
-    shutil.copy(Path(stage1_dir, schema.RUN_JSON), tmp_path / schema.RUN_JSON)
+    shutil.copy(Path(stage1_dir, layout.RUN_JSON), tmp_path / layout.RUN_JSON)
     empty = ji.read_rows(str(tmp_path))
     assert empty.num_rows == 0 and empty.column_names == [*ji.ROW_COLUMNS, ji.SHARD]
     assert ji.pick_rows(empty) == [] and ji.error_examples(empty) == {}
@@ -349,7 +349,7 @@ def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys
     # A stage 2 cut short: one completion shard's marker missing (its parts may be there) → its rows are to do.
     partial = str(tmp_path / "partial")
     shutil.copytree(run_dir, partial)
-    markers = sorted((Path(partial) / schema.HIDDEN_STATES_DIR / "_done").glob("*.json"))
+    markers = sorted((Path(partial) / layout.HIDDEN_STATES_DIR / "_done").glob("*.json"))
     markers[-1].unlink()
     hs = status.build_status(partial, read_columns=False)["hidden_states"]
     assert hs["rows_done"] == 16 and hs["rows_to_do"] == 8 and hs["completion_shards_to_do"] == 1

@@ -10,8 +10,8 @@ import time
 import pyarrow as pa
 import pytest
 
-from job import schema, storage, status
-from job.inputs import WorkUnit
+from job import layout, schema, status, storage
+from job.layout import CompletionUnit
 from job.storage import StorageConfig
 
 T0 = 1_800_000_000.0  # a fixed "wall clock" for the shard mtimes
@@ -38,14 +38,14 @@ def shard_table(file_index: int, start: int, stop: int, tokens_per_row: int, err
 def write_run(run: str, shards: list[dict], total_rows: int, rows_per_shard: int = 4, storage_config=None,
               generate: dict | None = None) -> None:
     """shards: dicts with file, start, stop, tokens (per row), mtime, and optionally errors, too_short."""
-    storage.write_json(storage.join(run, schema.RUN_JSON), {
+    storage.write_json(storage.join(run, layout.RUN_JSON), {
         "created_at": "2027-01-15T08:00:00Z",
         "config": {"generate": {"rows_per_shard": rows_per_shard}, "engine_kwargs": {}},
         "generate": {"status": "running", "input": {"num_rows": total_rows}, **(generate or {})},
     }, storage_config)
     for s in shards:
-        name = WorkUnit(s["file"], "in.parquet", s["start"], s["stop"]).shard_name
-        uri = storage.join(run, schema.COMPLETIONS_DIR, name)
+        name = CompletionUnit(s["file"], "in.parquet", s["start"], s["stop"]).shard_name
+        uri = storage.join(run, layout.COMPLETIONS_DIR, name)
         storage.write_shard(uri, shard_table(s["file"], s["start"], s["stop"], s["tokens"], s.get("errors", 0),
                                              s.get("too_short", 0)), storage_config)
         if "mtime" in s and not storage.is_s3(run):

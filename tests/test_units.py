@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from job.inputs import InputFile, WorkUnit, parse_shard_name, pending_units
+from job.inputs import InputFile, pending_units
+from job.layout import CompletionUnit, parse_completion_shard_name
 
 
 def test_more_than_99999_input_files_keep_distinct_parseable_names():
     files = [InputFile(uri=f"s3://b/p/{i:06d}.parquet", num_rows=3, size=100) for i in range(100_002)]
-    last = WorkUnit(100_001, files[-1].uri, 0, 3)
+    last = CompletionUnit(100_001, files[-1].uri, 0, 3)
     assert last.shard_name == "f100001-r0000000000-0000000003.arrow"
-    assert parse_shard_name(last.shard_name) == (100_001, 0, 3)
-    assert parse_shard_name("sub/" + last.shard_name) == (100_001, 0, 3)
-    assert parse_shard_name("xf00001-r0000000000-0000000003.arrow") is None  # not ours
+    assert parse_completion_shard_name(last.shard_name) == (100_001, 0, 3)
+    assert parse_completion_shard_name("sub/" + last.shard_name) == (100_001, 0, 3)
+    assert parse_completion_shard_name("xf00001-r0000000000-0000000003.arrow") is None  # not ours
     # Files 10000 and 100000 used to collide (f10000… matched both); the done one is skipped, the other is not.
-    done = [WorkUnit(100_000, files[100_000].uri, 0, 3).shard_name]
+    done = [CompletionUnit(100_000, files[100_000].uri, 0, 3).shard_name]
     todo = {(u.file_index, u.start, u.stop) for u in pending_units(files, done, None, rows_per_shard=3)}
     assert (100_000, 0, 3) not in todo and (10_000, 0, 3) in todo and len(todo) == len(files) - 1
 
