@@ -54,7 +54,7 @@ def _token_prompts(config):
     import pyarrow.dataset as ds
     from transformers import AutoTokenizer
 
-    from job.prompts import render_prompt_ids
+    from job.generate.prompts import render_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(config.model)
     rows = ds.dataset(config.input, format="parquet").to_table().to_pylist()
@@ -63,7 +63,7 @@ def _token_prompts(config):
 
 
 def _sampling(config):
-    from job.engine import resolved_sampling
+    from job.generate.engine import resolved_sampling
 
     s = resolved_sampling(config.model, config.generate.sampling)
     s["detokenize"] = False  # as stage 1 does; the text is decoded once afterwards by every contender

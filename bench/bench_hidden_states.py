@@ -28,8 +28,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from job.extractor import (BackgroundWriter, Sample, TransformersExtractor,  # noqa: E402
-                           hidden_states_schema, part_table, plan_batches, plan_parts, table_to_ipc)
+from job import schema  # noqa: E402
+from job.hidden_states.samples import Sample, plan_batches, plan_parts
+from job.hidden_states.shards import BackgroundWriter, part_table, table_to_ipc
+from job.hidden_states.transformers_backend import TransformersExtractor
 
 SHAPES = {
     # The issue's reference shape: Qwen3-8B (hidden 4096, 36 layers, 32 heads, 8 kv heads, head_dim 128).
@@ -84,7 +86,7 @@ def plain_forward(model, batches, device: str, packed: bool) -> float:
     right-padded rows with a mask); packed=True uses the extractor's varlen attention on concatenated rows."""
     import torch
 
-    from job.extractor import PACKED_ATTENTION, _register_packed_attention
+    from job.hidden_states.packing import PACKED_ATTENTION, _register_packed_attention
 
     stack, config = model.model, model.model.config
     cuda = device == "cuda"
@@ -124,7 +126,7 @@ def extract(extractor, parts, hs_schema, write_dir: str | None) -> tuple[float, 
     seconds the GPU loop was blocked waiting for the writer."""
     import torch
 
-    from job.extractor import RunStats
+    from job.hidden_states.samples import RunStats
 
     extractor.stats = RunStats()
     sync = torch.cuda.synchronize if getattr(extractor, "cuda", False) else (lambda: None)
@@ -186,7 +188,8 @@ def vllm_check(args) -> dict:
     transformers' output_hidden_states[k + 1] on single sequences. With --shape: throughput on dummy weights."""
     import torch
 
-    from job.extractor import VllmExtractor, load_model
+    from job.hidden_states.transformers_backend import load_model
+    from job.hidden_states.vllm_backend import VllmExtractor
 
     layer_ids = [int(x) for x in args.layers.split(";")[0].split(",")]
     result = {"backend": "vllm", "layer_ids": layer_ids}
@@ -247,7 +250,7 @@ def vllm_check(args) -> dict:
                            engine_kwargs={"load_format": "dummy", "enforce_eager": args.vllm_eager,
                                           "gpu_memory_utilization": 0.85, "max_num_seqs": 256})
         result["engine_start_s"] = time.perf_counter() - started
-        hs_schema = hidden_states_schema(model=args.shape, layer_ids=vx.layer_ids, hidden_size=vx.hidden_size,
+        hs_schema = schema.hidden_states_schema(model=args.shape, layer_ids=vx.layer_ids, hidden_size=vx.hidden_size,
                                          dtype="bfloat16")
         parts = plan_parts(samples, args.rows_per_shard)
         extract(vx, plan_parts(samples[:16], 16), hs_schema, None)  # warm-up
@@ -328,7 +331,7 @@ def main(argv=None) -> dict:
                 layer_ids = [int(x) for x in layer_set.split(",")]
                 extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=batch_tokens,
                                                   attention=attention)
-                hs_schema = hidden_states_schema(model=args.shape, layer_ids=extractor.layer_ids,
+                hs_schema = schema.hidden_states_schema(model=args.shape, layer_ids=extractor.layer_ids,
                                                  hidden_size=extractor.hidden_size, dtype=extractor.dtype)
                 extract(extractor, plan_parts(warm, args.rows_per_shard), hs_schema, None)  # warm-up
                 if args.write_dir:

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_hidden_states import make_samples, plain_forward  # noqa: E402
 
-from job.extractor import TransformersExtractor, plan_batches, plan_parts  # noqa: E402
+from job.hidden_states.samples import plan_batches, plan_parts
+from job.hidden_states.transformers_backend import TransformersExtractor
 
 SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,

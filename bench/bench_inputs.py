@@ -71,7 +71,7 @@ def write_inputs(directory: str, rows: int, row_bytes: int, gz: bool) -> dict[st
 
 
 def _step(uri: str, step: str, rows_per_shard: int, queue) -> None:
-    from job import inputs, jsonl_input
+    from job.generate import inputs, jsonl_input
     from job.storage import StorageConfig
 
     importlib.import_module("pandas")  # imported lazily by id hashing: not part of any step's time

@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from job import inputs, layout, storage  # noqa: E402
+from job import layout, storage  # noqa: E402
+from job.generate import inputs
 from job.storage import StorageConfig  # noqa: E402
 
 

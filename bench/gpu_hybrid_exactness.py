@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from job.exactness import compare, reference_features, split_features  # noqa: E402
-from job.extractor import Sample, TransformersExtractor, load_model, plan_parts  # noqa: E402
+from job.hidden_states.checks import compare, reference_features, split_features
+from job.hidden_states.samples import Sample, plan_parts
+from job.hidden_states.transformers_backend import TransformersExtractor, load_model
 
 SMALL = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -114,7 +115,7 @@ def main():
     results["transformers"] = rows
 
     if not args.skip_vllm:
-        from job.extractor import VllmExtractor
+        from job.hidden_states.vllm_backend import VllmExtractor
 
         try:
             started = time.perf_counter()

@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["plan"], ["status"]):  # these two own their argument parsing (job/plan.py, job/status.py)
         return importlib.import_module(f"job.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
-    from job.engine import EngineStartError
+    from job.generate.engine import EngineStartError
     from job.generate import CanaryFailed
     from job.hidden_states import HiddenStateCheckError
-    from job.inputs import InputError
+    from job.generate.inputs import InputError
     from job.runs import RunError
     from job.storage import StorageError
 

@@ -349,7 +349,7 @@ def _shard_schema(uri: str, storage_config) -> pa.Schema:
 
 
 def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
-    from job.extractor import iter_records
+    from job.hidden_states.shards import iter_records
 
     for uri in shard_uris:
         yield from iter_records(storage.read_shard(uri, storage_config, memory_map=not storage.is_s3(uri)))
@@ -384,7 +384,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
             raise ExportError(f"export: --draft-vocab-size {draft_vocab_size} exceeds the target's vocabulary "
                               f"({target_vocab_size})")
 
-    from job.extractor import BackgroundWriter
+    from job.hidden_states.shards import BackgroundWriter
 
     written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end
     writer = BackgroundWriter(max_pending=8)
@@ -554,7 +554,7 @@ def conversation_row(row: dict, thinking: bool) -> tuple[dict | None, str | None
     regenerate_train_data.py writes: the prompt's messages, then the regenerated assistant turn with its reasoning in
     `reasoning_content` (the Qwen3.5/3.6 template renders it inside <think>...</think>; `content` holds the answer
     alone)."""
-    from job.prompts import RowError, history_of_turn, row_messages
+    from job.generate.prompts import RowError, history_of_turn, row_messages
 
     if row.get(schema.ERROR) is not None:
         return None, f"stage-1 error: {row[schema.ERROR]}"
@@ -626,7 +626,7 @@ class TrainerLayout:
     def __call__(self, batch: dict) -> dict:
         import torch
 
-        from job.extractor import _torch_dtype
+        from job.hidden_states.shards import _torch_dtype
 
         out: dict[str, list] = {}
         for i, sid in enumerate(batch[schema.ID]):
@@ -646,7 +646,7 @@ class TrainerLayout:
                 out.setdefault(key, []).append((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy())
         if not out:
             return {schema.ID: np.array([], dtype=object)}
-        from job.hidden_states import _ragged
+        from job.hidden_states.actor import _ragged
 
         return {k: np.array(v, dtype=object) if k == schema.ID else _ragged(v) for k, v in out.items()}
 
@@ -654,7 +654,7 @@ class TrainerLayout:
 def stream(config, *, to: str, format: str, layers: list[int] | None = None):
     """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
     online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`)."""
-    from job.extractor import resolve_layer_ids
+    from job.hidden_states.samples import resolve_layer_ids
     from job.hidden_states import dataset, model_shape
 
     num_layers, _ = model_shape(config.model)

@@ -379,7 +379,7 @@ def clip_text(text: str | None, max_chars: int) -> str:
 def _input_text(row: dict) -> str:
     if all(row.get(c) is None for c in schema.CONVERSATION_COLUMNS):
         return "(the input's prompt/messages columns were not carried into this shard)"
-    from job import prompts
+    from job.generate import prompts
 
     try:  # messages, ShareGPT conversations (mapped) or a prompt; JSON text as JSONL inputs carry them
         messages = prompts.row_messages(row)
@@ -589,7 +589,7 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
         layout = hidden_state_layout(run_uri, storage_config)
     if layout is None and ov["model"]:
         try:
-            from job.extractor import resolve_layer_ids
+            from job.hidden_states.samples import resolve_layer_ids
             from job.hidden_states import model_shape
 
             num_layers, hidden = model_shape(ov["model"])

@@ -172,10 +172,6 @@ class Progress:
         return {"engines_alive": value.alive, "engine_nodes": value.nodes, "engines_lost": value.lost,
                 "engines_replaced": value.replaced}
 
-    def line(self, now: float | None = None) -> str:
-        f = self.figures(now)
-        return self._format(f, bar=False)
-
     def _format(self, f: dict, *, bar: bool) -> str:
         rows = f"{f['rows_done']:,}/{f['rows_total']:,} rows ({f['fraction']:.1%})"
         if bar:

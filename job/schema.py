@@ -6,6 +6,8 @@ column becomes `null` typed) and shards written by different actors would then n
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -133,3 +135,40 @@ LAYER_CONVENTION = ("layer k = output of decoder layer k (0-based) = transformer
 LAYER_CONVENTION_BEFORE_NORM = ("layer k = output of decoder layer k (0-based) = transformers "
                                 "output_hidden_states[k + 1], except the last layer, which is the final decoder "
                                 "layer's output before the final norm; vLLM/speculators id = k + 1")
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes of one feature value by stored dtype."""
+BYTES_PER_TOKEN_EXTRA = 4 + 1
+"""input_ids (int32) + loss_mask (uint8), stored next to each token's features."""
+
+
+def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, dtype: str,
+                         num_model_layers: int | None = None, last_layer_before_norm: bool = False) -> pa.Schema:
+    """One row per sample. `hidden_states` is list<fixed_size_binary(num_layers × hidden × itemsize)>: one
+    fixed-size value per token holding that token's [num_layers, hidden] features as raw `dtype` bits, so a
+    sample's features are one contiguous, uncompressed [num_tokens, num_layers, hidden] block in the file.
+
+    Metadata records both layer-id conventions: ours (`layer_ids`) and vLLM's (`vllm_layer_ids`, ours + 1), and
+    whether the model's last layer, when captured, is stored after the final norm or before it."""
+    width = len(layer_ids) * hidden_size * ITEMSIZE[dtype]
+    metadata = {
+        META_MODEL: model,
+        META_LAYER_IDS: json.dumps(layer_ids),
+        META_VLLM_LAYER_IDS: json.dumps([k + 1 for k in layer_ids]),
+        META_LAYER_CONVENTION: (LAYER_CONVENTION_BEFORE_NORM if last_layer_before_norm
+                                       else LAYER_CONVENTION),
+        META_LAST_LAYER_NORM: LAST_BEFORE_NORM if last_layer_before_norm else LAST_AFTER_NORM,
+        META_DTYPE: dtype,
+        META_HIDDEN_SIZE: str(hidden_size),
+    }
+    if num_model_layers is not None:
+        metadata[META_NUM_MODEL_LAYERS] = str(num_model_layers)
+    return pa.schema([
+        pa.field(ID, pa.string(), nullable=False),
+        pa.field(INPUT_IDS, pa.list_(pa.int32())),
+        pa.field(LOSS_MASK, pa.list_(pa.uint8())),
+        pa.field(NUM_TOKENS, pa.int32()),
+        pa.field(ORIGINAL_NUM_TOKENS, pa.int32()),
+        pa.field(CLIPPED, pa.bool_()),
+        pa.field(HIDDEN_STATES, pa.list_(pa.binary(width))),
+    ], metadata=metadata)

@@ -212,7 +212,7 @@ def test_speculators_reads_back_exactly_and_its_last_slot_is_before_the_norm(run
     assert json.loads(meta[schema.META_LAYER_IDS]) == [0, 1, 2, 3]
     assert json.loads(meta[schema.META_VLLM_LAYER_IDS]) == [1, 2, 3, 4]
     assert meta[schema.META_LAST_LAYER_NORM] == b"before_norm" and meta[schema.META_NUM_MODEL_LAYERS] == b"4"
-    from job.hidden_states import check_run  # `hidden-states --check` reads the convention from the metadata
+    from job.hidden_states import check_run
 
     assert check_run(hs_config(model_dir, run, True), num_samples=2)["max_difference"] < 0.05
 
@@ -232,7 +232,7 @@ def test_speculators_reads_back_exactly_and_its_last_slot_is_before_the_norm(run
     # The last slot is decoder layer 3's own output (before the norm), from a plain transformers forward.
     from transformers import AutoModelForCausalLM
 
-    from job.extractor import decoder_stack
+    from job.hidden_states.packing import decoder_stack
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stack = decoder_stack(model)

@@ -12,9 +12,9 @@ import pytest
 from conftest import DEMO_CONFIG, HYBRID_ENGINE_KWARGS, read_run, simple_prompts, write_prompts
 
 from job.config import load_config
-from job.engine import EngineStartError
+from job.generate.engine import EngineStartError
 from job.generate import run_generate
-from job.prompts import render_prompt_ids
+from job.generate.prompts import render_prompt_ids
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 INPUT_SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("messages", MESSAGES_TYPE),

@@ -22,8 +22,10 @@ import torch
 
 from job import layout, schema, storage
 from job.config import ConfigError, HiddenStatesConfig, RunConfig
-from job.extractor import (HiddenStateCheckError, Sample, TransformersExtractor, check_features, iter_records,
-                           load_model, plan_parts)
+from job.hidden_states.checks import HiddenStateCheckError, check_features
+from job.hidden_states.samples import Sample, plan_parts
+from job.hidden_states.shards import iter_records
+from job.hidden_states.transformers_backend import TransformersExtractor, load_model
 from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
 from job.runs import RunError
 
@@ -474,8 +476,8 @@ def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hyb
     run on from one sequence into the next (measured here: 4-24 % relative error on CPU in float32). With the
     per-sequence mixers taken away, the worker's self-check must refuse to start and name a layer and a sample."""
     from job.config import to_dict
-    from job.extractor import TransformersExtractor as Extractor
-    from job.hidden_states import HiddenStateExtractor
+    from job.hidden_states.transformers_backend import TransformersExtractor as Extractor
+    from job.hidden_states.actor import HiddenStateExtractor
 
     write_completions(str(tmp_path), completion_rows(vocab_size, seed=6))
     config = hs_config(tiny_hybrid_dir, str(tmp_path), attention="packed")
@@ -508,7 +510,7 @@ def test_attention_mode_is_chosen_only_where_exact(dense_dir):
 def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run, model_dir, tmp_path):
     import shutil
 
-    from job.extractor import hidden_states_schema, part_table, table_to_ipc
+    from job.hidden_states.shards import part_table, table_to_ipc
     from job.hidden_states import check_run
 
     run, _, _ = float32_run
@@ -527,7 +529,7 @@ def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run
     samples = [Sample(id=r["id"], input_ids=r["input_ids"].numpy(), num_prompt_tokens=int((r["loss_mask"] == 0).sum()),
                       original_num_tokens=r["original_num_tokens"], row=i) for i, r in enumerate(records)]
     meta = table.schema.metadata
-    hs_schema = hidden_states_schema(model=meta[schema.META_MODEL].decode(), layer_ids=[0, 1, 3], hidden_size=256,
+    hs_schema = schema.hidden_states_schema(model=meta[schema.META_MODEL].decode(), layer_ids=[0, 1, 3], hidden_size=256,
                                      dtype="float32")
     uri.write_bytes(table_to_ipc(part_table(samples, features.view(torch.uint8).numpy(), hs_schema)).to_pybytes())
     with pytest.raises(HiddenStateCheckError, match=rf"layer 1 of sample {first['id']!r} .* by 1\.\d\d%"):

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import read_run
 
-from job import inputs, jsonl_input, layout, prompts, storage
+from job import layout, storage
+from job.generate import inputs, jsonl_input, prompts
 from job.storage import StorageConfig
 
 SC = StorageConfig()

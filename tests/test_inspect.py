@@ -359,7 +359,8 @@ def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys
 def test_hidden_state_checks_fire_on_bad_features(run_dir, rows, tmp_path):
     """Injected faults: layer 1 of the first sample all zero, a NaN in layer 0 of the second, and the input_ids
     of the third shifted by one (a re-templated or off-by-one stage 2)."""
-    from job.extractor import Sample, iter_records, part_table, table_to_ipc
+    from job.hidden_states.samples import Sample
+    from job.hidden_states.shards import iter_records, part_table, table_to_ipc
 
     bad = str(tmp_path / "run")
     shutil.copytree(run_dir, bad)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import simple_prompts, write_prompts
 
-from job import quality, schema
+from job import schema
+from job.generate import quality
 from job.config import QualityConfig
 from job.generate import CanaryFailed, run_generate
 from job.report import build_report, format_report

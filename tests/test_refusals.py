@@ -129,7 +129,7 @@ def test_uint64_ids_above_2_63_are_validated(tmp_path):
     """uint64 ids beyond int64's range used to end in a raw ArrowInvalid; they are ids like any other."""
     import pyarrow as pa
 
-    from job.inputs import InputError, list_input_files, validate_input
+    from job.generate.inputs import InputError, list_input_files, validate_input
     from job.storage import StorageConfig
 
     big = [2**63 + 1, 2**64 - 1, 5]

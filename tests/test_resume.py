@@ -23,7 +23,7 @@ from faulty_proxy import FaultyProxy
 from job import storage
 from job.config import load_config
 from job.generate import run_generate
-from job.inputs import InputError
+from job.generate.inputs import InputError
 from job.lock import WriterLock
 from job.runs import RunError
 from job.storage import StorageError

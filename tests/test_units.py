@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from job.inputs import InputFile, pending_units
+from job.generate.inputs import InputFile, pending_units
 from job.layout import CompletionUnit, parse_completion_shard_name
 
 
@@ -22,7 +22,7 @@ def test_more_than_99999_input_files_keep_distinct_parseable_names():
 def test_message_fields_reach_the_chat_template(tokenizer):
     """tool_calls, tool_call_id and name are passed to the template (they used to be dropped); fields a parquet
     struct gives as None are not; an assistant turn with only tool calls has null content."""
-    from job.prompts import render_prompt_ids, row_messages
+    from job.generate.prompts import render_prompt_ids, row_messages
 
     template = ("{% for m in messages %}<|{{ m.role }}|>{% if m.name %}[{{ m.name }}]{% endif %}{{ m.content }}"
                 "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}({{ c.function.arguments }})>"
@@ -48,7 +48,7 @@ def test_a_unit_of_a_one_row_group_file_holds_only_its_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from job.inputs import read_rows
+    from job.generate.inputs import read_rows
     from job.storage import StorageConfig
 
     n = 50_000
@@ -71,7 +71,7 @@ def test_row_groups_that_dwarf_the_units_are_noted(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from job.inputs import list_input_files, row_group_note
+    from job.generate.inputs import list_input_files, row_group_note
     from job.storage import StorageConfig
 
     table = pa.table({"id": list(range(5000)), "prompt": ["p"] * 5000})

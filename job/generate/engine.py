@@ -27,10 +27,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import inputs, layout, prompts, quality, schema, storage
+from job import layout, schema, storage
+from job.generate import inputs, prompts, quality
 from job.config import RunConfig, from_dict
 
-log = logging.getLogger("job.engine")
+log = logging.getLogger("job.generate.engine")
 
 
 class EngineStartError(RuntimeError):

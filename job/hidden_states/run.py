@@ -20,27 +20,26 @@ the parts that were in flight; a finished run starts no actor. Parts a different
 deleted before the unit writes its own, so the shards always hold each kept row exactly once.
 """
 
+
+
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 
 import numpy as np
 import pyarrow.ipc as ipc
 
-from job import layout, lock, runs, schema, storage
+from job import layout, progress, runs, schema, stage, storage
 from job.config import ConfigError, RunConfig
 from job.layout import HiddenStateUnit
-from job.exactness import compare, pick_samples, reference_features, split_features, tolerance_for, verdict
-from job.extractor import (ITEMSIZE, BackgroundWriter, FeatureStats, HiddenStateCheckError, hidden_states_schema,
-                           iter_records, part_table, plan_parts, resolve_layer_ids, samples_from_completions,
-                           table_to_ipc)
+from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
+from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
+from job.hidden_states.samples import resolve_layer_ids
+from job.hidden_states.shards import iter_records
 
-__all__ = ["run_hidden_states", "estimate_storage", "dataset", "collate", "load", "HiddenStateCheckError"]
 
 STAGE = "hidden_states"
 
@@ -169,7 +168,7 @@ def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = No
     units = units if units is not None else plan_units(config)
     with ThreadPoolExecutor(16) as pool:
         counts = list(pool.map(lambda u: _kept_tokens(u, config), units))
-    feature_bytes = len(layer_ids) * hidden * ITEMSIZE[hs.dtype]
+    feature_bytes = len(layer_ids) * hidden * schema.ITEMSIZE[hs.dtype]
     per_token = feature_bytes + 4 + 1  # + input_ids (int32) + loss_mask (uint8)
     tokens = sum(t for _, t in counts)
     pending = sum(t for u, (_, t) in zip(units, counts) if not u.done)
@@ -187,258 +186,29 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The Ray Data stage: one actor per GPU, one unit per call
-# ---------------------------------------------------------------------------------------------------------------
 
-
-class HiddenStateExtractor:
-    """`map_batches` callable. mode='write': writes the unit's missing parts and its marker, yields one summary
-    row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
-
-    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None):
-        """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
-        None skips the check."""
-        import torch
-
-        from job.cluster import model_missing_here
-        from job.config import from_dict
-        from job.extractor import TransformersExtractor, load_model
-
-        self.config = from_dict(config)
-        missing = model_missing_here(self.config.model)
-        if missing:
-            raise ConfigError(missing)
-        self.mode = mode
-        hs = self.config.hidden_states
-        check = self._check_samples(check_source) if check_source and hs.check_samples else []
-        reference = None
-        if hs.backend == "vllm":
-            reason = vllm_unavailable_reason()
-            if reason:
-                raise ConfigError(reason)
-            from job.extractor import VllmExtractor
-
-            if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
-                model = load_model(self.config.model, dtype=hs.dtype)
-                reference = reference_features(model, check, layer_ids, hs.last_layer_before_norm)
-                del model
-                torch.cuda.empty_cache()
-            self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
-                                           max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
-                                           min_rms=hs.min_rms, max_rms=hs.max_rms,
-                                           last_layer_before_norm=hs.last_layer_before_norm)
-        else:
-            if not torch.cuda.is_available():
-                torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
-            model = load_model(self.config.model, dtype=hs.dtype)
-            try:
-                self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
-                                                       min_rms=hs.min_rms, max_rms=hs.max_rms,
-                                                       attention=hs.attention,
-                                                       last_layer_before_norm=hs.last_layer_before_norm)
-            except ValueError as e:  # attention: packed on a model packing cannot keep exact
-                raise ConfigError(f"config: {e}") from None
-            if check:
-                reference = reference_features(model, check, self.extractor.layer_ids, hs.last_layer_before_norm)
-        self.schema = hidden_states_schema(model=self.config.model, layer_ids=self.extractor.layer_ids,
-                                           hidden_size=self.extractor.hidden_size, dtype=hs.dtype,
-                                           num_model_layers=self.extractor.num_model_layers,
-                                           last_layer_before_norm=hs.last_layer_before_norm)
-        self.self_check = self._self_check(check, reference) if check else {}
-        self.warnings = list(getattr(self.extractor, "warnings", []))
-
-    def _check_samples(self, source: dict) -> list:
-        hs = self.config.hidden_states
-        table = storage.read_shard(source["uri"], self.config.storage)
-        samples, _ = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
-                                              row_limit=source.get("row_limit"))
-        return pick_samples(samples, hs.check_samples, hs.batch_tokens)
-
-    def _self_check(self, samples: list, reference: list) -> dict:
-        """The check samples through this worker's batched path together, against `reference` (each alone through
-        a plain transformers forward). Raises HiddenStateCheckError beyond the tolerance; else a summary."""
-        from job.extractor import FeatureStats, RunStats
-
-        ex, hs = self.extractor, self.config.hidden_states
-        (part,) = list(ex.run([(0, samples)], pooled=False))
-        batched = split_features(part.samples, part.features, len(ex.layer_ids), ex.hidden_size, hs.dtype)
-        where = f"{hs.backend} backend" + (f", {ex.attention} batches" if hasattr(ex, "attention") else "")
-        summary = verdict(compare(part.samples, batched, reference, ex.layer_ids),
-                          tolerance_for(hs.dtype, hs.check_tolerance), where)
-        ex.stats, ex.feature_stats = RunStats(), FeatureStats(ex.layer_ids, ex.hidden_size)  # not the run's work
-        return {**summary, "where": where}
-
-    def __call__(self, batch: dict):
-        for i in range(len(batch["uri"])):
-            unit = HiddenStateUnit.from_row({k: batch[k][i] for k in batch})
-            yield from (self._write(unit) if self.mode == "write" else self._stream(unit))
-
-    def _samples(self, unit: HiddenStateUnit):
-        hs, cfg = self.config.hidden_states, self.config
-        table = storage.read_shard(unit.uri, cfg.storage)
-        samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
-                                                    row_limit=unit.row_limit)
-        return plan_parts(samples, hs.rows_per_shard), skipped
-
-    def _write(self, unit: HiddenStateUnit):
-        cfg, out = self.config, _out_dir(self.config)
-        started = time.monotonic()
-        parts, skipped = self._samples(unit)
-        names = [unit.part_name(j) for j in range(len(parts))]
-        # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
-        # not-done (it is redone), never done-but-incomplete.
-        stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(layout.DONE_DIR))
-        for name in stale:
-            storage.delete(storage.join(out, name), cfg.storage)
-        todo = [(j, p) for j, p in enumerate(parts) if names[j] not in unit.existing]
-        stats_before = asdict(self.extractor.stats)
-        self.extractor.feature_stats = FeatureStats(self.extractor.layer_ids, self.extractor.hidden_size)  # per unit
-        writer, written = BackgroundWriter(max_pending=2), []
-
-        def write(part):
-            buf = table_to_ipc(part_table(part.samples, part.features, self.schema))
-            part.release()
-            uri = storage.join(out, names[part.index])
-            storage.write_bytes_atomic(uri, buf, cfg.storage)
-            return uri, buf.size
-
-        try:
-            for part in self.extractor.run(todo):
-                writer.submit(write, part)
-        finally:
-            written = writer.close()
-        stats = {k: v - stats_before[k] for k, v in asdict(self.extractor.stats).items()}
-        samples = [s for p in parts for s in p]
-        summary = {
-            "unit": unit.tag, "num_rows": unit.num_rows, "num_samples": len(samples),
-            "num_errors": skipped["error"], "num_skipped_flagged": skipped["flagged"],
-            "num_skipped_empty": skipped["empty"], "num_clipped": sum(s.clipped for s in samples),
-            "num_tokens": sum(s.num_tokens for s in samples), "num_tokens_extracted": stats["num_tokens"],
-            "num_padded_tokens": stats["num_padded_tokens"], "num_batches": stats["num_batches"],
-            "num_parts": len(parts), "num_parts_written": len(written),
-            "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
-            "seconds": time.monotonic() - started,
-            "feature_stats": self.extractor.feature_stats.to_dict(),
-            # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
-            "self_check": self.self_check,
-            "warnings": {"lines": self.warnings},
-        }
-        self.self_check, self.warnings = {}, []
-        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
-        yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
-
-    def _stream(self, unit: HiddenStateUnit):
-        parts, _ = self._samples(unit)
-        view = STREAM_DTYPES[self.config.hidden_states.dtype]
-        L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
-        for part in self.extractor.run(list(enumerate(parts)), pooled=False):
-            feats = part.features.view(view)
-            hidden, input_ids, loss_mask, pos = [], [], [], 0
-            for s in part.samples:
-                n = s.num_tokens * L * H
-                hidden.append(feats[pos:pos + n].reshape(s.num_tokens, L, H))
-                input_ids.append(s.input_ids)
-                loss_mask.append(s.loss_mask())
-                pos += n
-            yield {
-                schema.ID: np.array([s.id for s in part.samples], dtype=object),
-                schema.INPUT_IDS: _ragged(input_ids),
-                schema.LOSS_MASK: _ragged(loss_mask),
-                schema.NUM_TOKENS: np.array([s.num_tokens for s in part.samples], dtype=np.int32),
-                schema.ORIGINAL_NUM_TOKENS: np.array([s.original_num_tokens for s in part.samples], dtype=np.int32),
-                schema.CLIPPED: np.array([s.clipped for s in part.samples]),
-                schema.HIDDEN_STATES: _ragged(hidden),
-            }
-
-
-# numpy has no bfloat16: the stream carries its bits as uint16 (float16 and float32 travel as themselves).
-STREAM_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
-
-
-def collate(batch: dict) -> dict:
-    """`collate_fn` for `iter_torch_batches` over `dataset(config)`, any batch size: samples differ in length,
-    so each column becomes a list with one tensor per sample (`hidden_states` as torch.bfloat16 again), `id`
-    a list of str, the scalar columns tensors."""
-    import torch
-
-    out = {}
-    for name, column in batch.items():
-        if name == schema.ID:
-            out[name] = [str(x) for x in column]
-        elif name in (schema.INPUT_IDS, schema.LOSS_MASK, schema.HIDDEN_STATES):
-            tensors = [torch.from_numpy(np.ascontiguousarray(x)) for x in column]
-            out[name] = [t.view(torch.bfloat16) if t.dtype == torch.uint16 else t for t in tensors]
-        else:
-            out[name] = torch.from_numpy(np.asarray(column))
-    return out
-
-
-def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
-    """An object array of per-row ndarrays: Ray Data stores it as a variable-shaped tensor column."""
-    out = np.empty(len(arrays), dtype=object)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
-
-
-def vllm_unavailable_reason() -> str | None:
-    """Why the vllm backend cannot run here, or None. On the CPU build of vLLM the `extract_hidden_states`
-    speculative method starts, but its hidden-state KV connector (ExampleHiddenStatesConnector) copies features
-    to the host with `torch.empty_like(..., pin_memory=True)`, which fails without CUDA ("pin_memory=True
-    requires a CUDA ... backend")."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return ("hidden_states.backend 'vllm' needs a CUDA GPU: vLLM's hidden-state connector pins host memory "
-                "(pin_memory=True), which the CPU build cannot do. Use backend: transformers on CPU.")
-    return None
+USER_ERRORS = (HiddenStateCheckError, ConfigError)
+"""Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
 
 def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str):
     import ray
 
     from job.config import to_dict
-    from job.generate import ensure_ray
 
-    ensure_ray(config)
+    stage.ensure_ray(config)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if config.hidden_states.backend == "vllm" and not gpus:
         raise ConfigError(vllm_unavailable_reason() or "hidden_states.backend 'vllm' needs a GPU in the cluster")
     workers = config.hidden_states.num_workers or max(1, gpus)
-    rows = [u.to_row() for u in units]
     # The exactness self-check of every worker uses samples of the first unit: the run's own data.
     check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
-    # One block per unit, so each unit is its own task: a replaced actor retries exactly its own units.
-    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-    return ds.map_batches(
+    return stage.map_units(units, stage.ActorStage(
         HiddenStateExtractor,
-        fn_constructor_kwargs={"config": to_dict(config), "layer_ids": layer_ids, "mode": mode,
-                               "check_source": check_source},
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=workers),
-        num_cpus=1,
-        num_gpus=1 if gpus else 0,
-        runtime_env={"env_vars": dict(config.env_vars)},
-        # A killed actor is replaced and its unit retried; a deterministic crash is not retried forever.
-        max_restarts=3,
-        max_task_retries=3,
-    )
-
-
-def _unwrap(e: BaseException) -> BaseException | None:
-    """The HiddenStateCheckError / ConfigError inside a Ray task error chain, if any. An error raised while an actor
-    starts (the self-check, a config the model refuses) reaches the driver only as the text of its traceback."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, (HiddenStateCheckError, ConfigError)):
-            return seen
-        seen = seen.__cause__ or getattr(seen, "cause", None)
-    for cls in (HiddenStateCheckError, ConfigError):
-        found = re.search(rf"{cls.__module__}\.{cls.__name__}: (.+)", str(e))
-        if found:
-            return cls(found.group(1).strip())
-    return None
+        {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source},
+        min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
+        max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
+        runtime_env={"env_vars": dict(config.env_vars)}))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -452,15 +222,12 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     Returns a summary (rows, tokens, tokens/s, bytes written, shard URIs, report path); the same goes to
     `<output>/reports/hidden_states.json`.
     """
-    from job import progress
+    from job import cluster
 
     started = time.monotonic()
     hs = config.hidden_states
-    from job import cluster
-    from job.generate import ensure_ray
-
     if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
-        ensure_ray(config)
+        stage.ensure_ray(config)
         cluster.check_paths_reach_workers(config, {"--output": config.output})
     num_layers, hidden = model_shape(config.model)
     try:
@@ -474,13 +241,10 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
               flush=True)
     ident = _identity(config, layer_ids)
-    changed = {}
-    if STAGE in previous:
-        changed = runs.check_drift(previous[STAGE].get("identity", {}), ident, allow_drift,
+    changed = stage.check_identity(previous, STAGE, ident, allow_drift,
                                    consequence="mix features made two ways in one output")
 
-    with lock.WriterLock(config, STAGE, take_over=take_lock):
-        storage.remove_temp_files(storage.join(config.output, layout.HIDDEN_STATES_DIR))  # killed writers' leftovers
+    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock):
         if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
             print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
                   "shard's hidden states with the new settings", flush=True)
@@ -496,30 +260,11 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
         if pending:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            # `with`: the heartbeat thread stops however the loop ends (an error, a self-check refusal).
-            with progress.Progress(total_rows=sum(u.num_rows for u in units),
-                                   done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
-                                   label="hidden-states") as tracker:
-                try:
-                    for s in _pipeline(config, pending, layer_ids, "write").iter_rows():
-                        for line in json.loads(s["warnings"])["lines"]:
-                            print(f"WARNING: {line}", flush=True)
-                        check = json.loads(s["self_check"])
-                        if check:
-                            print(f"exactness self-check passed ({check['where']}): {check['num_samples']} samples "
-                                  f"of this run, batched vs each alone in a plain transformers forward, differ by at "
-                                  f"most {check['max_difference']:.2e} (tolerance {check['tolerance']:.0e})",
-                                  flush=True)
-                            this_run.setdefault("self_checks", []).append(check)
-                        tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
-                                        "num_errors": s["num_errors"]})
-                        this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
-                        this_run["bytes_written"] += s["bytes_written"]
-                except Exception as e:
-                    cause = _unwrap(e)
-                    if cause is not None:
-                        raise type(cause)(str(cause)) from None
-                    raise
+            summaries = _pipeline(config, pending, layer_ids, "write")
+            tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
+                                        done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
+                                        label="hidden-states")
+            stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started
@@ -539,6 +284,22 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
           f"{summary['num_tokens_extracted']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s, padding "
           f"{summary['padding_waste']:.1%} → {summary['report']}", flush=True)
     return summary
+
+
+def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
+    """What stage 2 does with each unit's summary: its worker's warnings and self-check, progress, totals."""
+    for line in json.loads(s["warnings"])["lines"]:
+        print(f"WARNING: {line}", flush=True)
+    check = json.loads(s["self_check"])
+    if check:
+        print(f"exactness self-check passed ({check['where']}): {check['num_samples']} samples of this run, batched "
+              f"vs each alone in a plain transformers forward, differ by at most {check['max_difference']:.2e} "
+              f"(tolerance {check['tolerance']:.0e})", flush=True)
+        this_run.setdefault("self_checks", []).append(check)
+    tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
+                    "num_errors": s["num_errors"]})
+    this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
+    this_run["bytes_written"] += s["bytes_written"]
 
 
 def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], hidden: int, estimate: dict,
@@ -612,14 +373,13 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     import ray
 
     from job.config import to_dict
-    from job.generate import ensure_ray
 
     uris = storage.list_files(_out_dir(config), layout.SHARD_SUFFIX, config.storage)
     if not uris:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
     step = max(1, len(uris) // num_samples)
     chosen = uris[::step][:num_samples]
-    started_ray = ensure_ray(config)
+    started_ray = stage.ensure_ray(config)
     try:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
@@ -627,9 +387,9 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
         try:
             return ray.get(task.remote(to_dict(config), chosen))
         except Exception as e:
-            cause = _unwrap(e)
+            cause = stage.user_error_inside(e, USER_ERRORS)
             if cause is not None:
-                raise type(cause)(str(cause)) from None
+                raise cause from None
             raise
     finally:
         if started_ray:
@@ -641,7 +401,8 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     import torch
 
     from job.config import from_dict
-    from job.extractor import Sample, load_model
+    from job.hidden_states.samples import Sample
+    from job.hidden_states.transformers_backend import load_model
 
     config = from_dict(config_dict)
     if not torch.cuda.is_available():
@@ -661,12 +422,3 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     summary = verdict(compare(samples, stored, reference, layer_ids), tolerance_for(dtype, config.hidden_states.check_tolerance),
                       f"stored shards of {config.output}")
     return {**summary, "shards": uris}
-
-
-def load(run_uri: str, storage_config: storage.StorageConfig | None = None):
-    """Yield one dict per sample of a run's hidden-state shards: `id`, `input_ids` (int32), `loss_mask` (uint8),
-    `layer_ids`, `hidden_states` ([num_tokens, num_layers, hidden] torch tensor in the stored dtype, a view of
-    the memory-mapped file for local runs: no copy; read-only), `clipped`, `original_num_tokens`."""
-    uris = storage.list_files(storage.join(run_uri, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
-    for uri in uris:
-        yield from iter_records(storage.read_shard(uri, storage_config, memory_map=True))

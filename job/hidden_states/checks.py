@@ -1,18 +1,5 @@
-"""The exactness self-check: stage 2's batched features against a plain transformers forward of each sample alone.
-
-Silent corruption is the failure that costs most in this field: features that are finite, non-zero and of a
-plausible size, but wrong (another sequence's state leaking in through a packed batch, vLLM returning other
-requests' states, a layer off by one). The sanity checks in job/extractor.py cannot see it. This check can: before
-a stage-2 worker writes anything, a few of the run's own samples go through the worker's batched path *together*
-(so that all but the first share a batch with another sequence) and through `model(input_ids,
-output_hidden_states=True)` one by one; beyond the tolerance the job stops and names the layer and the sample.
-
-    python -m job hidden-states --check --output RUN     # the same comparison over a finished run's shards
-
-The measure is the relative L2 difference per (sample, layer), over the whole sample and over its first
-FIRST_TOKENS tokens, where leaked state shows most (packed Qwen3.5 on an H200: 5-10 % over whole sequences,
-39-69 % over their first 16 tokens; bf16 rounding of a correct batch: <= 0.5 %).
-"""
+"""Checks on features: the sanity checks every batch gets (NaN/inf, all zero, RMS in a plausible range) and the
+exactness self-check (batched against a plain forward of each sample alone)."""
 
 from __future__ import annotations
 
@@ -20,7 +7,87 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from job.extractor import HiddenStateCheckError, Sample, decoder_stack
+from job.hidden_states.packing import decoder_stack
+from job.hidden_states.samples import Sample
+
+
+class HiddenStateCheckError(RuntimeError):
+    """Features failed a sanity check (NaN/inf, all zero, implausible norm). The message names layer and sample."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feature checks: NaN/inf, all zero, RMS in a plausible range
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureStats:
+    """Token-weighted per-layer RMS over everything extracted so far (for the report)."""
+    layer_ids: list[int]
+    hidden_size: int
+    sumsq: np.ndarray = None
+    num_tokens: int = 0
+    min_rms: np.ndarray = None
+    max_rms: np.ndarray = None
+
+    def __post_init__(self):
+        n = len(self.layer_ids)
+        self.sumsq, self.min_rms, self.max_rms = np.zeros(n), np.full(n, np.inf), np.zeros(n)
+
+    def update(self, sumsq: np.ndarray, rms: np.ndarray, counts: np.ndarray) -> None:
+        self.sumsq += sumsq.sum(axis=0)
+        self.num_tokens += int(counts.sum())
+        self.min_rms = np.minimum(self.min_rms, rms.min(axis=0))
+        self.max_rms = np.maximum(self.max_rms, rms.max(axis=0))
+
+    def to_dict(self) -> dict:
+        rms = np.sqrt(self.sumsq / max(1, self.num_tokens * self.hidden_size))
+        return {str(k): {"rms": float(rms[j]), "min_sample_rms": float(self.min_rms[j]),
+                         "max_sample_rms": float(self.max_rms[j])} for j, k in enumerate(self.layer_ids)}
+
+
+def check_features(samples: list[Sample], sumsq: np.ndarray, nonfinite: np.ndarray, *, layer_ids: list[int],
+                   hidden_size: int, min_rms: float, max_rms: float) -> np.ndarray:
+    """Raise HiddenStateCheckError on the first bad (sample, layer); return the per-sample RMS [rows, layers].
+
+    `sumsq[r, j]` is the sum over sample r's tokens of the squared L2 norm of layer j's feature, `nonfinite[r, j]`
+    the number of its tokens whose norm is NaN/inf (any NaN/inf element makes the norm non-finite).
+    """
+    counts = np.array([s.num_tokens for s in samples], dtype=np.float64)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        rms = np.sqrt(sumsq / (counts * hidden_size))
+    for r, s in enumerate(samples):
+        for j, k in enumerate(layer_ids):
+            where = f"layer {k} of sample {s.id!r} ({s.num_tokens} tokens)"
+            if nonfinite[r, j] or not np.isfinite(sumsq[r, j]):
+                raise HiddenStateCheckError(f"{where}: {int(nonfinite[r, j])} token(s) hold NaN/inf features; "
+                                            "the model or its dtype is broken (try dtype float32 to compare)")
+            if sumsq[r, j] == 0:
+                raise HiddenStateCheckError(f"{where}: features are all zero (a known failure of hidden-state "
+                                            "extraction that trains drafters to 0% acceptance)")
+            if not min_rms <= rms[r, j] <= max_rms:
+                raise HiddenStateCheckError(f"{where}: RMS {rms[r, j]:.3g} is outside the plausible range "
+                                            f"[{min_rms:g}, {max_rms:g}] (hidden_states.min_rms / max_rms)")
+    return rms
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The exactness self-check
+# The exactness self-check: stage 2's batched features against a plain transformers forward of each sample alone.
+#
+# Silent corruption is the failure that costs most in this field: features that are finite, non-zero and of a
+# plausible size, but wrong (another sequence's state leaking in through a packed batch, vLLM returning other
+# requests' states, a layer off by one). The sanity checks in job/extractor.py cannot see it. This check can: before
+# a stage-2 worker writes anything, a few of the run's own samples go through the worker's batched path *together*
+# (so that all but the first share a batch with another sequence) and through `model(input_ids,
+# output_hidden_states=True)` one by one; beyond the tolerance the job stops and names the layer and the sample.
+#
+#     python -m job hidden-states --check --output RUN     # the same comparison over a finished run's shards
+#
+# The measure is the relative L2 difference per (sample, layer), over the whole sample and over its first
+# FIRST_TOKENS tokens, where leaked state shows most (packed Qwen3.5 on an H200: 5-10 % over whole sequences,
+# 39-69 % over their first 16 tokens; bf16 rounding of a correct batch: <= 0.5 %).
+# ---------------------------------------------------------------------------------------------------------------
 
 FIRST_TOKENS = 16
 # Relative L2 difference allowed between a batched and a lone forward. float32: a different GEMM blocking moves the
@@ -128,7 +195,7 @@ def split_features(samples: list[Sample], features: np.ndarray, num_layers: int,
     """A part's features (uint8, the samples' [n, L, H] blocks back to back) as one tensor per sample."""
     import torch
 
-    from job.extractor import _torch_dtype
+    from job.hidden_states.shards import _torch_dtype
 
     flat = torch.from_numpy(features).view(_torch_dtype(dtype))
     out, pos = [], 0

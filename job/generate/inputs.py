@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from job import arrow_input, jsonl_input, layout, schema, storage
+from job import layout, schema, storage
+from job.generate import arrow_input, jsonl_input
 from job.layout import CompletionUnit
 from job.storage import StorageConfig
 

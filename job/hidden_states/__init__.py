@@ -1,0 +1,29 @@
+"""Stage 2: completion shards → the target model's hidden states, as Arrow shards or a stream into a trainer.
+
+    python -m job hidden-states --config configs/demo.yaml --output demo-run
+
+    from job.hidden_states import load, dataset, collate
+    for sample in load("demo-run"):               # written shards; hidden_states views the file (no copy)
+        sample["hidden_states"]                   # torch.bfloat16 [num_tokens, num_layers, hidden]
+    ds = dataset(config)                           # the same records, never written: a ray.data.Dataset
+    for batch in ds.iter_torch_batches(batch_size=8, collate_fn=collate):
+        batch["hidden_states"]                    # list of 8 bf16 tensors [num_tokens, num_layers, hidden]
+
+Modules, in the order a unit meets them:
+    run.py                   the driver: units, identity, storage estimate, report, `dataset`, `check_run`
+    actor.py                 the Ray Data actor: one per GPU, one completion shard per call
+    samples.py               completion rows → samples → parts → batches; host buffers
+    transformers_backend.py  forward passes with hooks on the chosen layers (packing.py keeps packed batches exact)
+    vllm_backend.py          the same from vLLM's prefill (CUDA only)
+    checks.py                feature sanity checks and the exactness self-check against a plain forward
+    shards.py                features → Arrow parts (background writer) and back, zero-copy: `load`
+The core (samples, backends, checks, shards) needs no Ray: it runs where only torch, transformers and pyarrow are.
+"""
+
+from job.hidden_states.actor import collate
+from job.hidden_states.checks import HiddenStateCheckError
+from job.hidden_states.run import check_run, dataset, estimate_storage, model_shape, plan_units, run_hidden_states
+from job.hidden_states.shards import load
+
+__all__ = ["run_hidden_states", "estimate_storage", "dataset", "collate", "load", "check_run", "model_shape",
+           "plan_units", "HiddenStateCheckError"]

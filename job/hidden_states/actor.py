@@ -1,0 +1,230 @@
+"""Stage 2's Ray Data actor: one per GPU, one unit (completion shard) per call; writes the unit's parts and its
+marker, or streams its records."""
+
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from job import layout, schema, storage
+from job.config import ConfigError
+from job.layout import HiddenStateUnit
+from job.hidden_states.checks import FeatureStats, compare, pick_samples, reference_features, split_features, tolerance_for, verdict
+from job.hidden_states.samples import plan_parts, samples_from_completions
+from job.hidden_states.shards import BackgroundWriter, part_table, table_to_ipc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Ray Data stage: one actor per GPU, one unit per call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class HiddenStateExtractor:
+    """`map_batches` callable. mode='write': writes the unit's missing parts and its marker, yields one summary
+    row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
+
+    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None):
+        """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
+        None skips the check."""
+        import torch
+
+        from job.cluster import model_missing_here
+        from job.config import from_dict
+        from job.hidden_states.transformers_backend import TransformersExtractor, load_model
+
+        self.config = from_dict(config)
+        missing = model_missing_here(self.config.model)
+        if missing:
+            raise ConfigError(missing)
+        self.mode = mode
+        hs = self.config.hidden_states
+        check = self._check_samples(check_source) if check_source and hs.check_samples else []
+        reference = None
+        if hs.backend == "vllm":
+            reason = vllm_unavailable_reason()
+            if reason:
+                raise ConfigError(reason)
+            from job.hidden_states.vllm_backend import VllmExtractor
+
+            if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
+                model = load_model(self.config.model, dtype=hs.dtype)
+                reference = reference_features(model, check, layer_ids, hs.last_layer_before_norm)
+                del model
+                torch.cuda.empty_cache()
+            self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
+                                           max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
+                                           min_rms=hs.min_rms, max_rms=hs.max_rms,
+                                           last_layer_before_norm=hs.last_layer_before_norm)
+        else:
+            if not torch.cuda.is_available():
+                torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
+            model = load_model(self.config.model, dtype=hs.dtype)
+            try:
+                self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
+                                                       min_rms=hs.min_rms, max_rms=hs.max_rms,
+                                                       attention=hs.attention,
+                                                       last_layer_before_norm=hs.last_layer_before_norm)
+            except ValueError as e:  # attention: packed on a model packing cannot keep exact
+                raise ConfigError(f"config: {e}") from None
+            if check:
+                reference = reference_features(model, check, self.extractor.layer_ids, hs.last_layer_before_norm)
+        self.schema = schema.hidden_states_schema(model=self.config.model, layer_ids=self.extractor.layer_ids,
+                                           hidden_size=self.extractor.hidden_size, dtype=hs.dtype,
+                                           num_model_layers=self.extractor.num_model_layers,
+                                           last_layer_before_norm=hs.last_layer_before_norm)
+        self.self_check = self._self_check(check, reference) if check else {}
+        self.warnings = list(getattr(self.extractor, "warnings", []))
+
+    def _check_samples(self, source: dict) -> list:
+        hs = self.config.hidden_states
+        table = storage.read_shard(source["uri"], self.config.storage)
+        samples, _ = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
+                                              row_limit=source.get("row_limit"))
+        return pick_samples(samples, hs.check_samples, hs.batch_tokens)
+
+    def _self_check(self, samples: list, reference: list) -> dict:
+        """The check samples through this worker's batched path together, against `reference` (each alone through
+        a plain transformers forward). Raises HiddenStateCheckError beyond the tolerance; else a summary."""
+        from job.hidden_states.checks import FeatureStats
+        from job.hidden_states.samples import RunStats
+
+        ex, hs = self.extractor, self.config.hidden_states
+        (part,) = list(ex.run([(0, samples)], pooled=False))
+        batched = split_features(part.samples, part.features, len(ex.layer_ids), ex.hidden_size, hs.dtype)
+        where = f"{hs.backend} backend" + (f", {ex.attention} batches" if hasattr(ex, "attention") else "")
+        summary = verdict(compare(part.samples, batched, reference, ex.layer_ids),
+                          tolerance_for(hs.dtype, hs.check_tolerance), where)
+        ex.stats, ex.feature_stats = RunStats(), FeatureStats(ex.layer_ids, ex.hidden_size)  # not the run's work
+        return {**summary, "where": where}
+
+    def __call__(self, batch: dict):
+        for i in range(len(batch["uri"])):
+            unit = HiddenStateUnit.from_row({k: batch[k][i] for k in batch})
+            yield from (self._write(unit) if self.mode == "write" else self._stream(unit))
+
+    def _samples(self, unit: HiddenStateUnit):
+        hs, cfg = self.config.hidden_states, self.config
+        table = storage.read_shard(unit.uri, cfg.storage)
+        samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
+                                                    row_limit=unit.row_limit)
+        return plan_parts(samples, hs.rows_per_shard), skipped
+
+    def _write(self, unit: HiddenStateUnit):
+        cfg, out = self.config, storage.join(self.config.output, layout.HIDDEN_STATES_DIR)
+        started = time.monotonic()
+        parts, skipped = self._samples(unit)
+        names = [unit.part_name(j) for j in range(len(parts))]
+        # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
+        # not-done (it is redone), never done-but-incomplete.
+        stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(layout.DONE_DIR))
+        for name in stale:
+            storage.delete(storage.join(out, name), cfg.storage)
+        todo = [(j, p) for j, p in enumerate(parts) if names[j] not in unit.existing]
+        stats_before = asdict(self.extractor.stats)
+        self.extractor.feature_stats = FeatureStats(self.extractor.layer_ids, self.extractor.hidden_size)  # per unit
+        writer, written = BackgroundWriter(max_pending=2), []
+
+        def write(part):
+            buf = table_to_ipc(part_table(part.samples, part.features, self.schema))
+            part.release()
+            uri = storage.join(out, names[part.index])
+            storage.write_bytes_atomic(uri, buf, cfg.storage)
+            return uri, buf.size
+
+        try:
+            for part in self.extractor.run(todo):
+                writer.submit(write, part)
+        finally:
+            written = writer.close()
+        stats = {k: v - stats_before[k] for k, v in asdict(self.extractor.stats).items()}
+        samples = [s for p in parts for s in p]
+        summary = {
+            "unit": unit.tag, "num_rows": unit.num_rows, "num_samples": len(samples),
+            "num_errors": skipped["error"], "num_skipped_flagged": skipped["flagged"],
+            "num_skipped_empty": skipped["empty"], "num_clipped": sum(s.clipped for s in samples),
+            "num_tokens": sum(s.num_tokens for s in samples), "num_tokens_extracted": stats["num_tokens"],
+            "num_padded_tokens": stats["num_padded_tokens"], "num_batches": stats["num_batches"],
+            "num_parts": len(parts), "num_parts_written": len(written),
+            "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
+            "seconds": time.monotonic() - started,
+            "feature_stats": self.extractor.feature_stats.to_dict(),
+            # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
+            "self_check": self.self_check,
+            "warnings": {"lines": self.warnings},
+        }
+        self.self_check, self.warnings = {}, []
+        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
+        yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
+
+    def _stream(self, unit: HiddenStateUnit):
+        parts, _ = self._samples(unit)
+        view = STREAM_DTYPES[self.config.hidden_states.dtype]
+        L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
+        for part in self.extractor.run(list(enumerate(parts)), pooled=False):
+            feats = part.features.view(view)
+            hidden, input_ids, loss_mask, pos = [], [], [], 0
+            for s in part.samples:
+                n = s.num_tokens * L * H
+                hidden.append(feats[pos:pos + n].reshape(s.num_tokens, L, H))
+                input_ids.append(s.input_ids)
+                loss_mask.append(s.loss_mask())
+                pos += n
+            yield {
+                schema.ID: np.array([s.id for s in part.samples], dtype=object),
+                schema.INPUT_IDS: _ragged(input_ids),
+                schema.LOSS_MASK: _ragged(loss_mask),
+                schema.NUM_TOKENS: np.array([s.num_tokens for s in part.samples], dtype=np.int32),
+                schema.ORIGINAL_NUM_TOKENS: np.array([s.original_num_tokens for s in part.samples], dtype=np.int32),
+                schema.CLIPPED: np.array([s.clipped for s in part.samples]),
+                schema.HIDDEN_STATES: _ragged(hidden),
+            }
+
+
+# numpy has no bfloat16: the stream carries its bits as uint16 (float16 and float32 travel as themselves).
+STREAM_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+
+
+def collate(batch: dict) -> dict:
+    """`collate_fn` for `iter_torch_batches` over `dataset(config)`, any batch size: samples differ in length,
+    so each column becomes a list with one tensor per sample (`hidden_states` as torch.bfloat16 again), `id`
+    a list of str, the scalar columns tensors."""
+    import torch
+
+    out = {}
+    for name, column in batch.items():
+        if name == schema.ID:
+            out[name] = [str(x) for x in column]
+        elif name in (schema.INPUT_IDS, schema.LOSS_MASK, schema.HIDDEN_STATES):
+            tensors = [torch.from_numpy(np.ascontiguousarray(x)) for x in column]
+            out[name] = [t.view(torch.bfloat16) if t.dtype == torch.uint16 else t for t in tensors]
+        else:
+            out[name] = torch.from_numpy(np.asarray(column))
+    return out
+
+
+def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
+    """An object array of per-row ndarrays: Ray Data stores it as a variable-shaped tensor column."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why the vllm backend cannot run here, or None. On the CPU build of vLLM the `extract_hidden_states`
+    speculative method starts, but its hidden-state KV connector (ExampleHiddenStatesConnector) copies features
+    to the host with `torch.empty_like(..., pin_memory=True)`, which fails without CUDA ("pin_memory=True
+    requires a CUDA ... backend")."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("hidden_states.backend 'vllm' needs a CUDA GPU: vLLM's hidden-state connector pins host memory "
+                "(pin_memory=True), which the CPU build cannot do. Use backend: transformers on CPU.")
+    return None
+
+

@@ -1,0 +1,109 @@
+"""The vLLM backend (CUDA only): hidden states from vLLM's prefill through `extract_hidden_states`."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+
+from job import schema
+from job.hidden_states.checks import FeatureStats, check_features
+from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, resolve_layer_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vLLM backend (CUDA only)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class VllmExtractor:
+    """Hidden states from vLLM's prefill: speculative method `extract_hidden_states` stores the chosen layers of
+    every prompt token in a cache-only layer, and its `ExampleHiddenStatesConnector` writes each finished request's
+    [tokens, layers, hidden] to a safetensors file (under `shm_dir`), which this reads back and deletes. Each
+    sample is one request of `max_tokens=1`; a part's requests go to the engine together, so it batches them.
+
+    vLLM's aux layer id j is the residual stream after j decoder layers (before the final norm), so our layer k is
+    vLLM id k + 1; the last layer (after the final norm in transformers' convention) has no vLLM equivalent and is
+    refused. Needs CUDA: the connector pins host memory, which the CPU build of vLLM cannot do.
+    """
+
+    def __init__(self, model: str, *, layer_ids: list[int], dtype: str = "bfloat16", max_length: int = 4096,
+                 engine_kwargs: dict | None = None, shm_dir: str = "/dev/shm/datagen-hidden-states",
+                 min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True,
+                 last_layer_before_norm: bool = False):
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        text = AutoConfig.from_pretrained(model).get_text_config()
+        num_layers = int(text.num_hidden_layers)
+        self.num_model_layers = num_layers
+        self.layer_ids = resolve_layer_ids(layer_ids, num_layers)
+        self.last_layer_before_norm = last_layer_before_norm
+        if num_layers - 1 in self.layer_ids and not last_layer_before_norm:
+            raise ValueError(f"hidden_states.backend 'vllm' cannot capture the last layer ({num_layers - 1}): in "
+                             "the transformers convention it is taken after the final norm, and vLLM exposes only "
+                             "the residual stream before it. Use the transformers backend, a lower layer, or "
+                             "hidden_states.last_layer_before_norm: true (vLLM id N, what speculators stores).")
+        self.hidden_size, self.dtype = int(text.hidden_size), dtype
+        self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
+        self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
+        self.stats, self.feature_stats, self.pool = RunStats(), FeatureStats(self.layer_ids, self.hidden_size), \
+            _BufferPool()
+        args = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
+                    max_model_len=max_length + 8, enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(16384, max_length + 8))
+        args.update(engine_kwargs or {})
+        self.llm = LLM(**args, speculative_config={
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [k + 1 for k in self.layer_ids]}},
+        }, kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": shm_dir},
+        })
+
+    def close(self) -> None:
+        pass
+
+    def run(self, parts: list[tuple[int, list[Sample]]], *, pooled: bool = True) -> Iterator[PartFeatures]:
+        import torch
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states, load_hidden_states)
+
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        for index, samples in parts:
+            started = time.perf_counter()
+            outputs = self.llm.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in samples], params,
+                                        use_tqdm=False)
+            nbytes = sum(s.num_tokens for s in samples) * self.width
+            buf = self.pool.get(nbytes) if pooled else np.empty(nbytes, dtype=np.uint8)
+            sumsq = np.zeros((len(samples), len(self.layer_ids)))
+            nonfinite = np.zeros_like(sumsq)
+            pos = 0
+            for r, (s, out) in enumerate(zip(samples, outputs)):
+                path = out.kv_transfer_params["hidden_states_path"]
+                data = load_hidden_states(path)
+                cleanup_hidden_states(path)
+                hidden, token_ids = data["hidden_states"], data["token_ids"]
+                if token_ids.tolist() != s.input_ids.tolist() or tuple(hidden.shape[1:]) != (len(self.layer_ids),
+                                                                                             self.hidden_size):
+                    raise RuntimeError(f"vllm backend: sample {s.id!r} came back with {len(token_ids)} tokens and "
+                                       f"features {tuple(hidden.shape)}; expected {s.num_tokens} tokens")
+                norms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
+                sumsq[r] = norms.square().sum(0).numpy()
+                nonfinite[r] = (~torch.isfinite(norms)).sum(0).numpy()
+                n = s.num_tokens * self.width
+                buf[pos:pos + n] = hidden.contiguous().view(-1).view(torch.uint8).numpy()
+                pos += n
+            if self.check:
+                rms = check_features(samples, sumsq, nonfinite, layer_ids=self.layer_ids,
+                                     hidden_size=self.hidden_size, min_rms=self.min_rms, max_rms=self.max_rms)
+                self.feature_stats.update(sumsq, rms, np.array([s.num_tokens for s in samples]))
+            tokens = sum(s.num_tokens for s in samples)
+            self.stats.num_tokens += tokens
+            self.stats.num_padded_tokens += tokens
+            self.stats.feature_bytes += nbytes
+            self.stats.seconds += time.perf_counter() - started
+            yield PartFeatures(index=index, samples=samples, features=buf,
+                               release=(lambda b=buf: self.pool.put(b)) if pooled else (lambda: None))

@@ -1,0 +1,146 @@
+"""The stage runner: what both stages do the same way, written once. docs/ARCHITECTURE.md explains the contract.
+
+A stage (job/generate/run.py, job/hidden_states/run.py) supplies only:
+- its work units and how it knows one is done (from one listing of its output directory, job/layout.py's names);
+- its identity (the settings that shape its output) and what it records in run.json;
+- its actor class (a `map_batches` callable that takes one unit per call, writes the unit's files atomically and
+  yields one summary row) and how many actors it wants;
+- what it does with each summary row (totals, progress, the canary).
+
+The runner owns the rest, in this order:
+    previous = runs.read_run_json(...)                       what an earlier job of this run recorded
+    check_identity(previous, stage, identity, allow_drift)   a changed setting is refused, or allowed and named
+    with writing(config, stage, directory, take_lock):       the writer lock; temp files of killed writers removed
+        runs.write_run_json(... "running" ...)
+        follow(map_units(config, units, ActorStage(...)), progress, on_summary, user_errors)
+        runs.write_run_json(... "complete" ...)
+`follow` always closes its progress line, and turns an error raised inside an actor (which Ray hands back as a
+wrapped traceback) into the stage's own error with its own message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from job import lock, progress, runs, storage
+from job.config import RunConfig
+
+
+def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
+    """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray.
+    Returns True when this call started Ray (the caller shuts it down again)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        print(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']} (RAY_ADDRESS)", flush=True)
+    else:
+        # address="local": a Ray of this job's own. Plain ray.init() would find a head started on this machine with
+        # `ray start --head` (how one tries `ray job submit` before renting a cluster), join it, and refuse
+        # num_cpus with a raw ValueError. Jobs meant for that head get RAY_ADDRESS from `ray job submit`.
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
+        print("ray: a local Ray of this job's own (RAY_ADDRESS is not set; `ray job submit` sets it)", flush=True)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
+    ctx.print_on_execution_start = False
+    return True
+
+
+def check_identity(previous: dict, stage: str, identity: dict, allow_drift: bool, **kwargs) -> dict:
+    """The settings of `identity` that differ from what the stage recorded in run.json: refused (RunError naming
+    them) unless `allow_drift`. {} on a new run."""
+    if stage not in previous:
+        return {}
+    return runs.check_drift(previous[stage].get("identity", {}), identity, allow_drift, **kwargs)
+
+
+@contextmanager
+def writing(config: RunConfig, stage: str, directory: str, *, take_lock: bool):
+    """Hold the stage's writer lock (one writer per run and stage) and clear the temp files a killed writer left
+    in `directory` (nobody else writes while we hold the lock)."""
+    with lock.WriterLock(config, stage, take_over=take_lock):
+        storage.remove_temp_files(storage.join(config.output, directory))
+        yield
+
+
+@dataclass
+class ActorStage:
+    """How a stage's units run on Ray Data: `actor` is a `map_batches` callable class built with
+    `constructor_kwargs`, called with one unit per batch."""
+    actor: type
+    constructor_kwargs: dict
+    min_actors: int
+    max_actors: int
+    units_per_actor: int = 1
+    """Units one actor runs at once (its `max_concurrency`): an engine keeps itself full from several units."""
+    gpus_per_actor: float = 0
+    max_retries: int = 3
+    """Restarts of a dead actor and retries of its units; -1: forever (an engine that dies with its node)."""
+    runtime_env: dict = field(default_factory=dict)
+
+
+def map_units(units: list, stage: ActorStage):
+    """A Ray Data pipeline of `units` (each with `to_row()`) through `stage.actor`. One block per unit, so each
+    unit is its own task: an actor runs `units_per_actor` of them at once, and a replaced actor retries exactly
+    its own units."""
+    import ray
+
+    if stage.max_actors > stage.min_actors:
+        # Ray Data adds an actor when its pool's utilization (units in flight / (actors × max_concurrency)) reaches
+        # this. Its default, 1.75, assumes actors queue 4 tasks but run 1; ours run all they hold, so the pool is
+        # at most 1.0 busy: "every actor full" must be the trigger, or no actor is ever added.
+        ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
+    # Several units at once: the actor takes as many as it runs (Ray Data's default queue is for one at a time).
+    per_actor = {"max_concurrency": stage.units_per_actor} if stage.units_per_actor > 1 else {}
+    in_flight = {"max_tasks_in_flight_per_actor": stage.units_per_actor} if stage.units_per_actor > 1 else {}
+    ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
+    return ds.map_batches(
+        stage.actor,
+        fn_constructor_kwargs=stage.constructor_kwargs,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(min_size=stage.min_actors, max_size=stage.max_actors, **in_flight),
+        num_cpus=1,
+        num_gpus=stage.gpus_per_actor,
+        runtime_env=stage.runtime_env,
+        max_restarts=stage.max_retries,
+        max_task_retries=stage.max_retries,
+        **per_actor,
+    )
+
+
+def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Callable[[dict], None],
+           user_errors: tuple[type[BaseException], ...]) -> None:
+    """Consume the per-unit summary rows as units finish. The progress line stops however this ends; an error of
+    one of `user_errors` raised inside an actor is raised here with its own message, not Ray's traceback."""
+    with tracker:
+        try:
+            for s in summaries:
+                on_summary(s)
+        except Exception as e:
+            cause = user_error_inside(e, user_errors)
+            if cause is not None:
+                raise cause from None
+            raise
+
+
+def user_error_inside(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The error of one of `user_errors` that a Ray task failure wraps, if any. An error raised while an actor
+    starts reaches the driver only as the text of its traceback: the message is recovered from it."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, user_errors):
+            return e
+        for cls in user_errors:  # Ray Data re-raises UDF errors with the remote traceback as text
+            m = re.search(rf"{cls.__module__}\.{cls.__name__}: (.+)", str(e))
+            if m:
+                return cls(m.group(1).strip())
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
