@@ -184,9 +184,6 @@ def list_files(uri: str, suffix: str, storage: StorageConfig | None = None) -> l
     return [join(uri, name) for name, _, _ in list_file_infos(uri, suffix, storage)]
 
 
-_TEST_WRITE_DELAY_S = float(os.environ.get("DATAGEN_TEST_WRITE_DELAY_S", "0"))
-
-
 def remove_temp_files(uri: str) -> int:
     """Delete temp files that killed writers left in a local directory (S3 writes leave none). Returns the count."""
     if is_s3(uri) or not os.path.isdir(uri):
@@ -212,8 +209,6 @@ def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = No
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            if _TEST_WRITE_DELAY_S:  # fault-injection hook: lets tests kill a job in the middle of a write
-                time.sleep(_TEST_WRITE_DELAY_S)
             os.replace(tmp, path)
         else:
             # One PutObject, or a multipart upload completed on close. pyarrow 26 leaves a failed multipart upload

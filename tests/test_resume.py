@@ -83,8 +83,10 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
     cfg = small_config_file(tmp_path)
     cmd = [sys.executable, "-m", "job", "generate", "--config", cfg, "--model", tiny_model_dir, "--input", inp,
            "--output", str(run)]
-    # Writes pause 1.5 s between the temp file and the rename, so the kill can land inside a write.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
+    # Writes pause 1.5 s between the temp file and the rename (tests/fault_injection), so the kill can land inside
+    # a write.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fault_injection")]),
+           "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     tree: list[psutil.Process] = []

@@ -158,7 +158,10 @@ class CompletionGenerator:
 
         from job.cluster import model_missing_here
 
-        missing = model_missing_here(config["model"], config.get("engine_kwargs", {}).get("load_format") != "dummy")  # before the heavy imports: a node without it fails in seconds
+        # Before the heavy imports: a node without the model fails in seconds. `load_format: dummy` (benchmarks)
+        # needs no weight files.
+        dummy = config.get("engine_kwargs", {}).get("load_format") == "dummy"
+        missing = model_missing_here(config["model"], needs_weights=not dummy)
         if missing:
             raise EngineStartError(missing)
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -1,10 +1,9 @@
-"""Stage 1: prompt shards (parquet, JSONL, Arrow) → vLLM engine actors → completion shards.
+"""Stage 1's driver, on job/stage.py's runner.
 
-    python -m job generate --config configs/demo.yaml --output demo-run
-
-Reads top to bottom: scan and validate the input → check the run directory (resume, drift, lock) → cut the rows
-not yet done into work units → Ray Data streams the units through the engine actors, which write one shard per
-unit → the driver follows the per-unit summaries (progress, canary) → report.
+Reads top to bottom: scan and validate the input → check the run directory (identity, drift, lock) → cut the rows
+not yet done into completion units (job/layout.py) → Ray Data streams the units through the engine actors
+(engine.py), which write one shard per unit → `_Consumer` takes each unit's summary (totals, progress, canary)
+→ report.
 
 Nothing is materialized on the driver: it holds the unit list (one small record per shard) and per-unit counts.
 """

@@ -1,13 +1,4 @@
-"""Stage 2: completion shards → the target model's hidden states, as Arrow shards or a stream into a trainer.
-
-    python -m job hidden-states --config configs/demo.yaml --output demo-run
-
-    from job.hidden_states import load, dataset
-    for sample in load("demo-run"):               # written shards; hidden_states views the file (no copy)
-        sample["hidden_states"]                   # torch.bfloat16 [num_tokens, num_layers, hidden]
-    ds = dataset(config)                           # the same records, never written: a ray.data.Dataset
-    for batch in ds.iter_torch_batches(batch_size=8, collate_fn=collate):
-        batch["hidden_states"]                    # list of 8 bf16 tensors [num_tokens, num_layers, hidden]
+"""Stage 2's driver, on job/stage.py's runner; also `dataset` (the stream) and `check_run`.
 
 Reads top to bottom: plan the work units (one per completion shard; a `--limit` cuts the last one) → check the
 run directory (drift, lock) → print what the run will store → Ray Data streams the units through extractor
@@ -19,8 +10,6 @@ when its marker `hidden_states/_done/<shard>.json` exists (written after its las
 the parts that were in flight; a finished run starts no actor. Parts a different `--limit` left behind are
 deleted before the unit writes its own, so the shards always hold each kept row exactly once.
 """
-
-
 
 from __future__ import annotations
 

@@ -1,4 +1,29 @@
-"""The transformers backend: forward passes over length-sorted batches with hooks on the chosen layers."""
+"""The transformers backend: forward passes over length-sorted batches with hooks on the chosen layers.
+
+    from job.hidden_states.transformers_backend import TransformersExtractor, load_model
+    extractor = TransformersExtractor(load_model(path, dtype="bfloat16", device="cuda"), layer_ids=[1, 17, 32])
+    for part in extractor.run(list(enumerate(plan_parts(samples, 32)))):
+        table = part_table(part.samples, part.features, schema)
+
+Layer convention (DESIGN.md): layer k is transformers' `output_hidden_states[k + 1]`, the output of decoder layer
+k. One wrinkle, measured on transformers 5.19 Qwen3: for the LAST decoder layer transformers returns the output
+*after* the model's final norm (`hidden_states[-1] == norm(layer_out)`), so that is what layer N-1 stores here too.
+vLLM's aux hidden states (`eagle_aux_hidden_state_layer_ids`) count differently: vLLM id j is the residual stream
+after j layers, before any final norm, so our layer k is vLLM id k + 1 and our last layer has no vLLM equivalent.
+
+Throughput decisions (measured in bench/bench_hidden_states.py; figures in docs/BENCHMARKS.md):
+- Rows are sorted by length (longest first) and cut into batches of at most `batch_tokens` padded tokens, so
+  padding stays at a few percent and the longest (most memory-hungry) batch runs first.
+- A forward hook on each captured layer gathers the non-pad tokens straight into one [tokens, layers, hidden]
+  buffer; the hook of the last captured layer raises `_StopForward`, so later layers, the final norm and the LM
+  head never run, and all layers are never materialized.
+- Feature checks reduce on the GPU to a [rows, layers] table (sum of squared per-token norms, non-finite count);
+  only that small table and the features cross to the host.
+- Device→host copies run on a side stream into two pinned staging buffers, so batch i+1's forward is queued
+  before the host waits for batch i: the GPU never idles while the host sorts features into parts.
+- Host memory is first-touched at ~0.3 GB/s on small VMs: part buffers are reused from a pool, and Arrow IPC is
+  written into one pre-sized buffer (one copy, ~9 GB/s) instead of a growing stream (several copies).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +36,9 @@ import numpy as np
 
 from job import schema
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.packing import PACKABLE_LAYERS, PACKED_ATTENTION, _register_packed_attention, _varlen_gated_deltanet, decoder_stack, packed_attention_available, packing_problem, slow_path_warnings, varlen_gdn_problem
+from job.hidden_states.packing import (PACKABLE_LAYERS, PACKED_ATTENTION, _register_packed_attention,
+                                       _varlen_gated_deltanet, decoder_stack, packed_attention_available,
+                                       packing_problem, slow_path_warnings, varlen_gdn_problem)
 from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, plan_batches, resolve_layer_ids
 from job.hidden_states.shards import _DTYPES, _torch_dtype
 

@@ -62,9 +62,6 @@ class VllmExtractor:
             "kv_connector_extra_config": {"shared_storage_path": shm_dir},
         })
 
-    def close(self) -> None:
-        pass
-
     def run(self, parts: list[tuple[int, list[Sample]]], *, pooled: bool = True) -> Iterator[PartFeatures]:
         import torch
         from vllm import SamplingParams
