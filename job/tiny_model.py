@@ -19,6 +19,9 @@ package versions.
     from job.tiny_model import ensure_tiny_model
     model_dir = ensure_tiny_model(".cache/tiny-model")                   # builds once, then reuses
 
+One file of ~740 lines on purpose: it is one recipe read top to bottom (corpus → synthetic chats → tokenizer →
+config → brief training → files), and nothing else in the package uses its internals.
+
 The directory is a normal Hugging Face model directory:
 
     config.json              Qwen3ForCausalLM, 4 layers, hidden 256, head_dim 64, vocab 3840 (3792 used); or

@@ -1,0 +1,269 @@
+"""Export to files: read a run's hidden-state shards, write SpecForge's or speculators' files beside `export.json`,
+`samples.jsonl` and `dropped.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from job import layout, schema, storage
+from job.export.samples import DROPPED_JSONL, EXPORT_JSON, SAMPLES_JSONL
+from job.export.samples import (ExportError, FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB,
+                                TRAINER_FILE, count_tokens, drop_reason, make_plan, specforge_vocab_mapping,
+                                trainer_sample)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def specforge_file_name(index: int, group: int = FILE_GROUP_SIZE) -> str:
+    start = index // group * group
+    return f"rows_{start}-{start + group}/data_{index}.ckpt"
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_lines(uri: str, lines: Iterator[str], storage_config) -> int:
+    """Stream text lines to `uri` (local: a temp file renamed at the end; S3: a multipart upload completed on
+    close), so a large JSONL never sits in memory. Returns the number of lines."""
+    fs, path = storage.resolve(uri, storage_config)
+    local = not storage.is_s3(uri)
+    target = path
+    if local:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        target = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    n = 0
+    with fs.open_output_stream(target) as out:
+        for line in lines:
+            out.write(line.encode() + b"\n")
+            n += 1
+    if local:
+        os.replace(target, path)
+    return n
+
+
+def _hf_features(columns: dict[str, str]) -> dict:
+    """`datasets` Features JSON for list<int> (dtype given) and int64 scalar columns."""
+    out = {}
+    for name, dtype in columns.items():
+        value = {"dtype": dtype.removeprefix("list:"), "_type": "Value"}
+        out[name] = {"feature": value, "_type": "List"} if dtype.startswith("list:") else value
+    return out
+
+
+# What `datasets` 5.x writes for speculators' columns: it stores `input_ids` as int32 (its OptimizedTypedSequence:
+# "typical vocab size"), the other two as the int64 speculators gives it.
+SPECULATORS_COLUMNS = {"input_ids": "list:int32", "loss_mask": "list:int64", "seq_len": "int64"}
+
+
+def _speculators_table(rows: list[tuple]) -> pa.Table:
+    features = _hf_features(SPECULATORS_COLUMNS)
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    pa_schema = pa.schema([pa.field("input_ids", pa.list_(pa.int32())), pa.field("loss_mask", pa.list_(pa.int64())),
+                           pa.field("seq_len", pa.int64())], metadata=meta)
+    return pa.Table.from_arrays([pa.array([r[0] for r in rows], pa.list_(pa.int32())),
+                                 pa.array([r[1] for r in rows], pa.list_(pa.int64())),
+                                 pa.array([r[2] for r in rows], pa.int64())], schema=pa_schema)
+
+
+def _arrow_stream_bytes(table: pa.Table) -> bytes:
+    """`datasets` stores its Arrow files in the IPC *stream* format (ArrowWriter), uncompressed."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _write_speculators_dataset(output: str, files: list[str], fingerprint: str, storage_config) -> None:
+    """The rest of a `Dataset.save_to_disk` directory: state.json (with the torch format speculators sets before
+    saving) and dataset_info.json. The Arrow files were written already."""
+    state = {"_data_files": [{"filename": name} for name in files], "_fingerprint": fingerprint,
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": "torch", "_output_all_columns": False,
+             "_split": None}
+    info = {"citation": "", "description": "", "features": _hf_features(SPECULATORS_COLUMNS), "homepage": "",
+            "license": ""}
+    storage.write_bytes_atomic(storage.join(output, "dataset_info.json"), json.dumps(info, indent=2).encode(),
+                               storage_config)
+    storage.write_bytes_atomic(storage.join(output, "state.json"), json.dumps(state, indent=2).encode(),
+                               storage_config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading our run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str]:
+    """(layer ids, model layers, last layer before norm, model) from the first shard's metadata; every shard must
+    agree (one run, one way of extracting)."""
+    from job.hidden_states import model_shape
+
+    seen = None
+    for uri in shard_uris[:1] + shard_uris[-1:]:
+        meta = _shard_schema(uri, storage_config).metadata
+        layout = (json.loads(meta[schema.META_LAYER_IDS]), meta.get(schema.META_NUM_MODEL_LAYERS),
+                  meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
+                  meta[schema.META_MODEL].decode())
+        if seen is not None and layout != seen:
+            raise ExportError(f"export: shards of one run disagree on their layers ({seen} vs {layout}): stage 2 "
+                              "was redone with other settings into the same output")
+        seen = layout
+    layer_ids, num_layers, norm, model = seen
+    # Shards written before `num_model_layers` was recorded: ask the model's config.
+    num_layers = int(num_layers) if num_layers is not None else model_shape(model)[0]
+    return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model
+
+
+def _shard_schema(uri: str, storage_config) -> pa.Schema:
+    """A shard's schema from its footer alone (a shard holds gigabytes of features)."""
+    fs, path = storage.resolve(uri, storage_config)
+
+    def read():
+        with fs.open_input_file(path) as f:
+            return pa.ipc.open_file(f).schema
+
+    return storage.with_retries(read, what=f"read {uri}", storage=storage_config)
+
+
+def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
+    from job.hidden_states.shards import iter_records
+
+    for uri in shard_uris:
+        yield from iter_records(storage.read_shard(uri, storage_config, memory_map=not storage.is_s3(uri)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def export(run: str, *, to: str, format: str, output: str, layers: list[int] | None = None,
+           draft_vocab_size: int | None = None, target_vocab_size: int | None = None,
+           storage_config: storage.StorageConfig | None = None) -> dict:
+    """Write a run in a trainer's format under `output` (local or s3://); returns the summary also written to
+    `output/export.json`. File names are deterministic and each is written atomically: a rerun rewrites the same
+    files, never a second copy."""
+    inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
+    if output.rstrip("/") == run.rstrip("/") or inside:
+        raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
+    if to == "specforge" and format == "conversations":
+        from job.export.conversations import export_conversations  # it writes through this module's helpers
+
+        return export_conversations(run, output=output, storage_config=storage_config)
+    shard_uris = storage.list_files(storage.join(run, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
+    if not shard_uris:
+        raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
+                          "stage 2 first (`python -m job hidden-states ...`)")
+    layer_ids, num_layers, before_norm, model = _run_layout(shard_uris, storage_config)
+    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers)
+    if to == "specforge" and format == "eagle3":
+        target_vocab_size = target_vocab_size or _vocab_size(model)
+        draft_vocab_size = draft_vocab_size or min(SPECFORGE_DEFAULT_DRAFT_VOCAB, target_vocab_size)
+        if draft_vocab_size > target_vocab_size:
+            raise ExportError(f"export: --draft-vocab-size {draft_vocab_size} exceeds the target's vocabulary "
+                              f"({target_vocab_size})")
+
+    from job.hidden_states.shards import BackgroundWriter
+
+    written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end
+    writer = BackgroundWriter(max_pending=8)
+    counter: Counter = Counter()
+    kept: list[str] = []
+    dropped: list[dict] = []
+    arrow_files: list[str] = []
+    groups = [shard_uris[i:i + SHARDS_PER_ARROW_FILE] for i in range(0, len(shard_uris), SHARDS_PER_ARROW_FILE)]
+    num_tokens = 0
+    try:
+        for g, group in enumerate(groups):
+            rows = []
+            for rec in _records(group, storage_config):
+                reason = drop_reason(rec[schema.LOSS_MASK], plan)
+                if reason:
+                    dropped.append({"id": rec[schema.ID], "reason": reason})
+                    continue
+                index = len(kept)
+                kept.append(rec[schema.ID])
+                sample = trainer_sample(rec[schema.INPUT_IDS], rec[schema.LOSS_MASK], rec[schema.HIDDEN_STATES], plan)
+                count_tokens(counter, rec[schema.INPUT_IDS], rec[schema.LOSS_MASK])
+                num_tokens += len(rec[schema.INPUT_IDS])
+                if to == "specforge":
+                    name = specforge_file_name(index)
+                    data = _torch_bytes(sample)
+                else:
+                    from safetensors.torch import save
+
+                    name, data = f"hidden_states/hs_{index}.safetensors", save(sample)
+                written.add(name)
+                writer.submit(storage.write_bytes_atomic, storage.join(output, name), data, storage_config)
+                if to == "speculators":
+                    rows.append((rec[schema.INPUT_IDS].numpy(), rec[schema.LOSS_MASK].numpy().astype(np.int64),
+                                 len(rec[schema.INPUT_IDS])))
+            if to == "speculators":
+                name = f"data-{g:05d}-of-{len(groups):05d}.arrow"
+                data = _arrow_stream_bytes(_speculators_table(rows))
+                writer.submit(storage.write_bytes_atomic, storage.join(output, name), data, storage_config)
+                arrow_files.append(name)
+                written.add(name)
+    finally:
+        writer.close()
+    # A trainer reads every file of its kind under the directory: files an earlier export into the same output left
+    # (more samples then, another format) would be read as samples of this one.
+    for name, _, _ in storage.list_file_infos(output, (".ckpt", ".ckpt.gz", ".safetensors", ".arrow"), storage_config):
+        if name not in written and TRAINER_FILE.fullmatch(name):
+            storage.delete(storage.join(output, name), storage_config)
+
+    if to == "specforge" and format == "eagle3":
+        d2t, t2d = specforge_vocab_mapping(counter, draft_vocab_size, target_vocab_size)
+        storage.write_bytes_atomic(storage.join(output, "vocab_mapping", "vocab_mapping.pt"),
+                                   _torch_bytes({"d2t": d2t, "t2d": t2d}), storage_config)
+        plan.notes.update(draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size)
+    if to == "speculators":
+        storage.write_bytes_atomic(storage.join(output, "token_freq.pt"), _torch_bytes(dict(counter)),
+                                   storage_config)
+        _write_speculators_dataset(output, arrow_files, _fingerprint(kept), storage_config)
+    return _finish(run, output, plan.to, plan.format, kept, dropped, storage_config,
+                   {"num_tokens": num_tokens, "layers": plan.conventions(), "model": model, **plan.notes})
+
+
+def _fingerprint(ids: list[str]) -> str:
+    import hashlib
+
+    return hashlib.blake2b("\n".join(ids).encode(), digest_size=8).hexdigest()
+
+
+def _vocab_size(model: str) -> int:
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"export: cannot read the vocabulary size of {model!r} ({e}); pass --target-vocab-size") \
+            from None
+
+
+def _finish(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], storage_config,
+            extra: dict) -> dict:
+    _write_lines(storage.join(output, SAMPLES_JSONL),
+                 (json.dumps({"index": i, "id": sid}) for i, sid in enumerate(kept)), storage_config)
+    _write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
+                 storage_config)
+    summary = {"run": run, "output": output, "to": to, "format": format, "num_samples": len(kept),
+               "num_dropped": len(dropped), "dropped_by_reason": dict(Counter(d["reason"] for d in dropped)), **extra}
+    storage.write_json(storage.join(output, EXPORT_JSON), summary, storage_config)
+    return summary

@@ -1,0 +1,186 @@
+"""One sample, our record → the trainer's tensors (shared by files and the stream): which stored layers go where
+(`Plan`), which samples a trainer drops, and the vocabulary statistics exactly as the trainers compute them."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+from job import schema
+from job.config import ConfigError
+
+
+TARGETS = {"specforge": ("dflash", "eagle3", "conversations"), "speculators": ("dflash", "eagle3")}
+FILE_GROUP_SIZE = 2000  # SpecForge's --file-group-size default: data_{i}.ckpt in rows_{g}-{g+2000}/
+SHARDS_PER_ARROW_FILE = 256  # speculators' dataset: one Arrow file per 256 of our shards (~8K samples, ~100 MB)
+SPECFORGE_DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's EAGLE-3 draft default (TargetDerivedDraftDefaults)
+EXPORT_JSON, SAMPLES_JSONL, DROPPED_JSONL = "export.json", "samples.jsonl", "dropped.jsonl"
+# The files a trainer reads as samples: SpecForge's feature files, speculators' features and dataset files.
+TRAINER_FILE = re.compile(r"rows_\d+-\d+/data_\d+\.ckpt(\.gz)?|hidden_states/hs_\d+\.safetensors|"
+                          r"data-\d{5}-of-\d{5}\.arrow")
+
+
+class ExportError(ConfigError):
+    """The run cannot be exported as asked (wrong layer convention, missing layer, ...); nothing is written."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: which of the run's stored layers go where
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    to: str
+    format: str
+    run_layer_ids: list[int]
+    """Our ids of the run's stored layers, in slot order."""
+    num_model_layers: int
+    last_before_norm: bool
+    aux_slots: list[int]
+    """Slots of the run's features that become the trainer's aux / context layers, in the trainer's order."""
+    last_slot: int | None
+    """Slot of the model's last layer (EAGLE-3's `hidden_state`, speculators' last slot), or None (DFlash)."""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return [self.run_layer_ids[s] for s in self.aux_slots]
+
+    def conventions(self) -> dict:
+        """What the trainer must be told, in its own terms."""
+        ours = self.aux_layer_ids
+        out = {"our_layer_ids": ours, "our_convention": schema.LAYER_CONVENTION.split(";")[0]}
+        if self.to == "specforge":
+            key = "dflash_config.target_layer_ids" if self.format == "dflash" else \
+                "eagle_config.eagle_aux_hidden_state_layer_ids"
+            out.update({"trainer_layer_ids": ours, "trainer_config_key": key,
+                        "trainer_convention": "SpecForge id = ours (output_hidden_states[id + 1])"})
+            if self.last_slot is not None:
+                out["hidden_state"] = f"layer {self.num_model_layers - 1} after the final norm"
+        else:
+            out.update({"trainer_layer_ids": [k + 1 for k in ours], "trainer_config_key": "--target-layer-ids",
+                        "trainer_convention": "vLLM/speculators id = ours + 1 (residual stream after id layers)",
+                        "last_slot": f"vLLM id {self.num_model_layers}: decoder layer {self.num_model_layers - 1} "
+                                     "before the final norm"})
+        return out
+
+
+def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: int, last_before_norm: bool,
+              layers: list[int] | None = None) -> Plan:
+    """Check the run's layers against what the trainer needs and map them to slots. `layers`: the aux / context
+    layers to export, in our (= SpecForge's) convention, in the trainer's order; default: the run's layers but the
+    last. Raises ExportError naming the fix."""
+    if to not in TARGETS or format not in TARGETS[to]:
+        raise ExportError(f"export: --to {to} --format {format} is not a known pair "
+                          f"(known: {', '.join(f'{t}: {sorted(f)}' for t, f in TARGETS.items())})")
+    last = num_model_layers - 1
+    slot = {k: i for i, k in enumerate(run_layer_ids)}
+    wanted = [k + num_model_layers if k < 0 else k for k in layers] if layers else \
+        [k for k in run_layer_ids if k != last]
+    missing = [k for k in wanted if k not in slot]
+    if missing:
+        raise ExportError(f"export: layer(s) {missing} are not in this run (it holds {run_layer_ids}); rerun stage 2 "
+                          "with them in hidden_states.layer_ids")
+    if not wanted:
+        raise ExportError(f"export: no aux/context layer to export (the run holds {run_layer_ids})")
+    where = f"this run stores layer {last} (the model's last) " + ("before" if last_before_norm else "after") + \
+        " the final norm"
+    last_slot = None
+    if format == "eagle3" or to == "speculators":
+        if last in wanted:
+            raise ExportError(f"export: layer {last} is the model's last layer; {to} {format} takes it separately, "
+                              "not among the aux layers: leave it out of --layers")
+        if last not in slot:
+            raise ExportError(f"export: {to} {format} needs the model's last layer ({last}, or -1) in "
+                              f"hidden_states.layer_ids; this run holds {run_layer_ids}")
+        needs_before = to == "speculators"
+        if last_before_norm != needs_before:
+            raise ExportError(
+                f"export: {where}, but {to} {format} needs it " + ("before" if needs_before else "after") +
+                " the norm (" + ("speculators' last slot is vLLM's pre-norm residual stream"
+                                 if needs_before else "SpecForge feeds `hidden_state` to the target's LM head") +
+                "). Rerun stage 2 into a new output with hidden_states.last_layer_before_norm: " +
+                ("true" if needs_before else "false"))
+        last_slot = slot[last]
+    elif last in wanted and last_before_norm:
+        raise ExportError(f"export: {where}; SpecForge DFlash reads output_hidden_states[{last + 1}], after the norm")
+    if format == "eagle3" and len(wanted) != 3:
+        raise ExportError(f"export: EAGLE-3 takes exactly 3 aux layers (low, mid, high); got {wanted}: pass "
+                          "--layers with three of the run's layers")
+    return Plan(to=to, format=format, run_layer_ids=list(run_layer_ids), num_model_layers=num_model_layers,
+                last_before_norm=last_before_norm, aux_slots=[slot[k] for k in wanted], last_slot=last_slot)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One sample: our record → the trainer's tensors (shared by files and the stream)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def has_consecutive_supervised_tokens(loss_mask) -> bool:
+    """SpecForge's DFlash eligibility (specforge/data/loss_mask.py): two adjacent loss-mask tokens."""
+    values = loss_mask.tolist()
+    return any(bool(a) and bool(b) for a, b in zip(values, values[1:]))
+
+
+def drop_reason(loss_mask, plan: Plan) -> str | None:
+    """Why the trainer cannot use this sample, or None."""
+    if not int(loss_mask.sum()):
+        return "no loss-mask token: an empty completion, nothing to train on"
+    if plan.to == "specforge" and plan.format == "dflash" and not has_consecutive_supervised_tokens(loss_mask):
+        return ("no two consecutive loss-mask tokens: SpecForge's DFlash drops such samples when it builds its "
+                "dataset (loss_mask_filter) and its loader refuses them")
+    return None
+
+
+def trainer_sample(input_ids, loss_mask, hidden, plan: Plan) -> dict:
+    """The tensors one trainer file holds, from our record (`hidden`: [num_tokens, num_layers, hidden] torch).
+    Every tensor is its own compact copy: `torch.save` of a view would write the whole underlying buffer."""
+    import torch
+
+    n = hidden.shape[0]
+    ids = input_ids.to(torch.int64).clone()
+    mask = loss_mask.to(torch.int64).clone()
+    aux = hidden[:, plan.aux_slots].reshape(n, -1)  # index → a new contiguous tensor, layers side by side
+    if plan.to == "specforge" and plan.format == "dflash":
+        return {"input_ids": ids, "loss_mask": mask, "hidden_states": aux[None]}
+    if plan.to == "specforge":
+        return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux[None],
+                "hidden_state": hidden[:, plan.last_slot].clone()[None]}
+    return {"token_ids": ids, "hidden_states": hidden[:, plan.aux_slots + [plan.last_slot]].contiguous()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Vocabulary statistics, exactly as the trainers compute them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def count_tokens(counter: Counter, input_ids, loss_mask) -> None:
+    """One sample's loss-masked tokens into `counter`, in the trainers' order (unique ids ascending), so ties in
+    SpecForge's `most_common` break as they would there."""
+    import torch
+
+    masked = input_ids.to(torch.int64)[loss_mask.to(torch.bool)]
+    unique, counts = masked.unique(return_counts=True)
+    counter.update(dict(zip(unique.tolist(), counts.tolist())))
+
+
+def specforge_vocab_mapping(token_dict: Counter, draft_vocab_size: int, target_vocab_size: int):
+    """(d2t, t2d) as SpecForge's `process_token_dict_to_mappings` builds them (data/preprocessing.py)."""
+    import torch
+
+    token_dict = Counter(token_dict)
+    if len(token_dict) < draft_vocab_size:
+        # The same expression as theirs: which zero-count tokens fill up depends on this set's iteration order.
+        missing_tokens = set(range(draft_vocab_size)) - set(token_dict.keys())
+        for token in missing_tokens:
+            token_dict[token] = 0
+            if len(token_dict) >= draft_vocab_size:
+                break
+    used = sorted(key for key, _ in token_dict.most_common(draft_vocab_size))
+    used_set = set(used)
+    d2t = torch.tensor([used[i] - i for i in range(len(used))])
+    t2d = torch.tensor([i in used_set for i in range(target_vocab_size)])
+    return d2t, t2d
