@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 bench/bench_hidden_states.py --shape tiny --num-samples 16 --device cpu   # smoke test
 
 Needs only torch, transformers, pyarrow and numpy (the GPU machine has neither Ray nor vLLM): it drives the same
-core the Ray actors use (job/extractor.py). What is timed, after one warm-up pass of each:
+core the Ray actors use (job/hidden_states/). What is timed, after one warm-up pass of each:
 - `plain forward`: the decoder stack (all layers, no LM head) over the same length-sorted batches, inputs
   copied to the GPU, nothing copied back: what a plain transformers forward costs for these tokens (timed on
   its second full pass, so it pays no first-shape costs);

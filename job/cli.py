@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
     r.add_argument("run", help="run directory (local or s3://)")
 
-    e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export.py)")
+    e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export/)")
     e.add_argument("run", help="run directory (local or s3://)")
     e.add_argument("--to", required=True, choices=("specforge", "speculators"))
     e.add_argument("--format", required=True, choices=("dflash", "eagle3", "conversations"),

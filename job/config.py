@@ -93,7 +93,7 @@ class GenerateConfig:
 
 @dataclass(kw_only=True)
 class HiddenStatesConfig:
-    # Owned by the stage-2 module (job/hidden_states.py).
+    # Owned by the stage-2 module (job/hidden_states/).
     layer_ids: list[int] = field(default_factory=lambda: [0])
     """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]
     (for the last layer that is after the final norm, as in transformers). Negative ids count from the end
@@ -124,7 +124,7 @@ class HiddenStatesConfig:
     job stops and names the layer and sample. 0 turns it off."""
     check_tolerance: float | None = None
     """Largest relative L2 difference per (sample, layer) the self-check accepts, over the sample and over its first
-    16 tokens. None: 1e-3 for float32, 0.05 for bfloat16/float16 (job/exactness.py says why)."""
+    16 tokens. None: 1e-3 for float32, 0.05 for bfloat16/float16 (job/hidden_states/checks.py says why)."""
     rows_per_shard: int = 32
     """Rows per hidden-state shard. Features are big (5 layers x 5120 x 2 B = 51 KB per token): 32 rows of
     ~2.5K tokens is ~4 GB per shard for Qwen3.6-27B, all of which an extractor holds in memory while writing."""

@@ -56,8 +56,10 @@ class Progress:
     def __init__(self, *, total_rows: int, done_rows: int, label: str, log_every_s: float = 30.0,
                  window_s: float = 300.0, stream=None, num_engines: int | None = None,
                  max_engines: int | None = None, engines_fn: Callable[[], object] | None = None,
-                 heartbeat: bool = True, metrics: bool = True):
+                 heartbeat: bool = True, metrics: bool = True, tokens_key: str = "num_output_tokens"):
         """
+        tokens_key: the key of a unit summary that counts the stage's tokens (stage 1: output tokens generated;
+        stage 2: `num_tokens_extracted`).
         total_rows / done_rows: rows of the whole run, and those already done before this job started.
         log_every_s: plain-line interval when the stream is not a terminal.
         window_s: the "now" rate is measured over this many seconds (units finish in bursts; 5 min smooths them).
@@ -67,6 +69,7 @@ class Progress:
         replaced); default asks Ray's GCS for this job's map actors.
         """
         self.total_rows = total_rows
+        self.tokens_key = tokens_key
         self.done_before = done_rows
         self.label = label
         self.stream = stream or sys.stdout
@@ -108,7 +111,7 @@ class Progress:
                 if k.startswith("num_"):
                     self.totals[k] = self.totals.get(k, 0) + int(v)
             self.recent.append((now, int(unit_summary.get("num_rows", 0)),
-                                int(unit_summary.get("num_output_tokens", 0))))
+                                int(unit_summary.get(self.tokens_key, 0))))
             while self.recent and now - self.recent[0][0] > self.window_s:
                 self.recent.popleft()
             self._dirty = True
@@ -126,7 +129,7 @@ class Progress:
         now = time.monotonic() if now is None else now
         with self._lock:
             done = self.done_before + self.rows
-            tokens = self.totals.get("num_output_tokens", 0)
+            tokens = self.totals.get(self.tokens_key, 0)
             gen_s = now - self.window_start if self.window_start is not None else 0.0
             avg_tps = tokens / gen_s if gen_s > 0 else 0.0
             avg_rps = self.rows / gen_s if gen_s > 0 else 0.0

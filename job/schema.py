@@ -11,12 +11,12 @@ import json
 import pyarrow as pa
 
 # ---------------------------------------------------------------------------------------------------------------
-# Input prompt shards (parquet, JSONL, Arrow: job/inputs.py)
+# Input prompt shards (parquet, JSONL, Arrow: job/generate/inputs.py)
 # ---------------------------------------------------------------------------------------------------------------
 ID = "id"
 MESSAGES = "messages"  # OpenAI chat messages: role, content, and name / tool_calls / tool_call_id
 PROMPT = "prompt"
-CONVERSATIONS = "conversations"  # ShareGPT: from (human/gpt/system/tool), value; mapped in job/prompts.py
+CONVERSATIONS = "conversations"  # ShareGPT: from (human/gpt/system/tool), value; mapped in job/generate/prompts.py
 TOOLS = "tools"  # per-row tool definitions (OpenAI function schema), passed to the chat template
 CONVERSATION_COLUMNS = (PROMPT, MESSAGES, CONVERSATIONS)  # an input needs at least one of these
 
@@ -37,7 +37,7 @@ TURN = "turn"  # which assistant turn of the conversation was generated (0-based
 ORIGINAL_TURN_TOKENS = "original_turn_tokens"  # tokens of the data's own text of that turn; null if it had none
 ERROR = "error"
 
-# Quality flags (job/quality.py computes them). One boolean column each; null on error rows.
+# Quality flags (job/generate/quality.py computes them). One boolean column each; null on error rows.
 FLAG_TOO_SHORT = "too_short"
 FLAG_UNCLOSED_THINK = "unclosed_think"
 FLAG_EMPTY_ANSWER = "empty_answer"
@@ -110,7 +110,7 @@ def completion_schema(carried: pa.Schema | None = None) -> pa.Schema:
 # ---------------------------------------------------------------------------------------------------------------
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
-HIDDEN_STATES = "hidden_states"  # bf16 bits stored as fixed-size binary per token, see job/hidden_states.py
+HIDDEN_STATES = "hidden_states"  # bf16 bits stored as fixed-size binary per token, see hidden_states_schema below
 NUM_TOKENS = "num_tokens"
 CLIPPED = "clipped"  # true when prompt + completion was longer than max_length and was cut
 ORIGINAL_NUM_TOKENS = "original_num_tokens"

@@ -324,7 +324,7 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
                         "assistant message 1 contains a thinking marker"),
         "think-in-reasoning": ({"prompt": "x"}, {**good, "reasoning": "<think>hm"},
                                "assistant message 1 reasoning_content contains a thinking marker"),
-        # Conversations that fail the input checks (job/prompts.py, the same ones stage 1 applies) are dropped
+        # Conversations that fail the input checks (job/generate/prompts.py, the same ones stage 1 applies) are dropped
         # with that reason; a run's own rows never get here (stage 1 made them error rows), crafted ones do.
         "starts-assistant": ({"messages": json.dumps([{"role": "assistant", "content": "hi"},
                                                       {"role": "user", "content": "2+2?"}])}, good,

@@ -154,7 +154,7 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 @pytest.mark.parametrize("engine", [
     {"enable_prefix_caching": True},
     # MTP drafts with the model's own head. The CPU build runs it only without prefix caching and without top_k
-    # (known_engine_problem in job/engine.py); GPUs run the production settings.
+    # (known_engine_problem in job/generate/engine.py); GPUs run the production settings.
     {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 ], ids=["prefix-caching", "mtp"])
 def test_hybrid_end_to_end(tmp_path, make_config, tokenizer, tiny_hybrid_dir, engine):

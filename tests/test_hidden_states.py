@@ -443,13 +443,14 @@ def test_config_errors_are_clear(dense_dir, tmp_path):
 
 
 def test_imports_are_light_and_the_core_runs_without_ray(dense_dir):
-    code = ("import sys, job.hidden_states, job.extractor\n"
+    code = ("import sys, job.hidden_states, job.hidden_states.transformers_backend\n"
             "heavy = [m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
     code = ("import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None\n"
             "import numpy as np\n"
-            "from job.extractor import *\n"
+            "from job.hidden_states.samples import Sample\n"
+            "from job.hidden_states.transformers_backend import TransformersExtractor, load_model\n"
             f"ex = TransformersExtractor(load_model({dense_dir!r}, dtype='float32', device='cpu'), layer_ids=[0])\n"
             "s = [Sample(id='a', input_ids=np.arange(9, dtype=np.int32), num_prompt_tokens=4, original_num_tokens=9,"
             " row=0)]\n"

@@ -53,7 +53,7 @@ def test_missing_or_bad_inputs_name_the_flag(capsys):
 def test_from_a_run_with_recorded_throughput(tmp_path, capsys):
     run = str(tmp_path / "canary")
     # 10 shards of 4 rows × 250 tokens; the job recorded 4,000 tok/s with 2 engines of 1 GPU (run.json, as
-    # job/generate.py writes it when a job completes).
+    # job/generate/run.py writes it when a job completes).
     write_run(run, steady_shards(10, tokens=250), total_rows=40,
               generate={"status": "complete", "num_engines": 2, "output_tokens_per_s": 4000.0})
     m = plan.measure_run(run)

@@ -1,7 +1,7 @@
 """Input prompt shards: listing, up-front validation, and the work units of a run.
 
-Formats: parquet, JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, job/jsonl_input.py) and Arrow IPC
-(`datasets.save_to_disk` directories and `.arrow` files, job/arrow_input.py), local or s3://. Everything here is
+Formats: parquet, JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, jsonl_input.py) and Arrow IPC
+(`datasets.save_to_disk` directories and `.arrow` files, arrow_input.py), local or s3://. Everything here is
 the same for all three: each file has a row count from the scan, rows are addressed by position, and a unit
 reads only its range (`read_unit`). One input is one format.
 
@@ -68,7 +68,7 @@ def format_of(uri: str) -> str | None:
 
 def list_input_files(uri: str, storage_config: StorageConfig) -> list[InputFile]:
     """Every input file under `uri` (a folder, a single file or an S3 prefix) with its row count: parquet from its
-    footer, Arrow from its batch headers, JSONL by counting lines (one streaming pass, see job/jsonl_input.py)."""
+    footer, Arrow from its batch headers, JSONL by counting lines (one streaming pass, see jsonl_input.py)."""
     storage.check_reachable(uri, storage_config)
     fs, path = storage.resolve(uri, storage_config)
     try:

@@ -12,7 +12,7 @@ are numbered in file order, like parquet rows, so work units are row ranges here
   large file once, or split it); memory does not.
 - Validation (a run's first start) parses every line once: the ids, and the union of the top-level keys, which
   become the columns. Every column except `id` is carried as a string: a JSON string as is, any other value
-  (lists, objects, numbers) as its JSON text; the conversation columns are parsed back by job/prompts.py. `id`
+  (lists, objects, numbers) as its JSON text; the conversation columns are parsed back by prompts.py. `id`
   is a string too (`7` and `"7"` are the same id, as in the completion shards).
 """
 

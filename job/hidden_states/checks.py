@@ -77,7 +77,7 @@ def check_features(samples: list[Sample], sumsq: np.ndarray, nonfinite: np.ndarr
 #
 # Silent corruption is the failure that costs most in this field: features that are finite, non-zero and of a
 # plausible size, but wrong (another sequence's state leaking in through a packed batch, vLLM returning other
-# requests' states, a layer off by one). The sanity checks in job/extractor.py cannot see it. This check can: before
+# requests' states, a layer off by one). The sanity checks above cannot see it. This check can: before
 # a stage-2 worker writes anything, a few of the run's own samples go through the worker's batched path *together*
 # (so that all but the first share a batch with another sequence) and through `model(input_ids,
 # output_hidden_states=True)` one by one; beyond the tolerance the job stops and names the layer and the sample.

@@ -252,7 +252,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
             summaries = _pipeline(config, pending, layer_ids, "write")
             tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
                                         done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
-                                        label="hidden-states")
+                                        label="hidden-states", tokens_key="num_tokens_extracted")
             stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
@@ -285,8 +285,7 @@ def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
               f"vs each alone in a plain transformers forward, differ by at most {check['max_difference']:.2e} "
               f"(tolerance {check['tolerance']:.0e})", flush=True)
         this_run.setdefault("self_checks", []).append(check)
-    tracker.update({"num_rows": s["num_rows"], "num_output_tokens": s["num_tokens_extracted"],
-                    "num_errors": s["num_errors"]})
+    tracker.update({k: s[k] for k in ("num_rows", "num_tokens_extracted", "num_errors")})
     this_run["num_tokens_extracted"] += s["num_tokens_extracted"]
     this_run["bytes_written"] += s["bytes_written"]
 
@@ -311,7 +310,8 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
             layers[k] = {"rms": float(np.sqrt(sum(t * e["rms"] ** 2 for t, e in entries) / max(1, n))),
                          "min_sample_rms": min(e["min_sample_rms"] for _, e in entries),
                          "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
-    shards = _list_sizes(out, config)
+    shards = {storage.join(out, name): size  # one listing: sizes come with it
+              for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
     tokens_now = this_run.get("num_tokens_extracted", 0)
     report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
     summary = {
@@ -331,17 +331,6 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
     }
     storage.write_json(report_uri, summary, config.storage)
     return summary
-
-
-def _list_sizes(uri: str, config: RunConfig) -> dict[str, int]:
-    """{shard URI: bytes} under `uri`, from one listing."""
-    import pyarrow.fs as pafs
-
-    fs, path = storage.resolve(uri, config.storage)
-    infos = storage.with_retries(fs.get_file_info, pafs.FileSelector(path, recursive=True, allow_not_found=True),
-                                 what=f"list {uri}", storage=config.storage)
-    return {storage.join(uri, i.path[len(path):].lstrip("/")): int(i.size) for i in infos
-            if i.type == pafs.FileType.File and i.path.endswith(layout.SHARD_SUFFIX) and not i.base_name.startswith(".")}
 
 
 def dataset(config: RunConfig):
