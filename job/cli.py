@@ -1,4 +1,5 @@
-"""Command line: thin subcommands over the stages. Errors a user can cause end in one `error:` line, exit 2.
+"""Command line: every subcommand of `python -m job`, defined here. Errors a user can cause end in one `error:`
+line, exit 2.
 
     python -m job generate --config configs/demo.yaml --input PROMPTS --output RUN [--limit N]
     python -m job hidden-states --config configs/demo.yaml --output RUN
@@ -8,22 +9,42 @@
     python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
     python -m job demo
+
+Commands that read a run directory share the storage flags (`--endpoint-url`, `--region`); for generate and
+hidden-states they override the config's `storage` section.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import json
 import logging
 import sys
 
-from job.config import ConfigError, RunConfig, load_config
+from job.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
 
-from job.demo import DEMO_CONFIG
+# Read-side commands: a ValueError or OSError there is the user's input (a path, a flag), printed in one line.
+_READ_ONLY = ("status", "plan")
+
+
+def _storage_flags() -> argparse.ArgumentParser:
+    """Parent parser of every subcommand that reads (or writes) a run directory."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("storage")
+    g.add_argument("--endpoint-url", help="S3-compatible endpoint (default: the config's storage.endpoint_url, "
+                                          "else AWS_ENDPOINT_URL, else AWS itself)")
+    g.add_argument("--region", help="S3 region (default: the config's, else AWS_REGION, else us-east-1)")
+    return p
+
+
+def _storage(args):
+    from job.storage import StorageConfig
+
+    return StorageConfig(endpoint_url=args.endpoint_url, region=args.region)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEMO_CONFIG, help="run config YAML (default: %(default)s)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     p.add_argument("--output", help="run directory, local path or s3:// URI (overrides the config)")
     p.add_argument("--model", help="model directory or name (overrides the config)")
     p.add_argument("--limit", type=int, help="process only the first N rows")
@@ -37,25 +58,30 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from job import plan, status
+
     parser = argparse.ArgumentParser(prog="python -m job", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    run_dir = [_storage_flags()]
 
-    g = sub.add_parser("generate", help="stage 1: prompts → completion shards")
+    g = sub.add_parser("generate", help="stage 1: prompts → completion shards", parents=run_dir)
     _common(g)
     g.add_argument("--input", help="folder or prefix of prompt parquet shards (overrides the config)")
     g.add_argument("--chat-template", help="Jinja chat template file that replaces the model's own")
     g.add_argument("--no-canary", action="store_true", help="skip the quality check on the first rows")
 
-    h = sub.add_parser("hidden-states", help="stage 2: completions → hidden-state shards")
+    h = sub.add_parser("hidden-states", help="stage 2: completions → hidden-state shards", parents=run_dir)
     _common(h)
     h.add_argument("--check", action="store_true",
                    help="check a finished run's shards against a plain transformers forward instead of extracting")
     h.add_argument("--check-samples", type=int, default=8, help="samples --check compares (default %(default)s)")
 
-    r = sub.add_parser("report", help="quality and length report of a run (finished or still running)")
+    r = sub.add_parser("report", help="quality and length report of a run (finished or still running)",
+                       parents=run_dir)
     r.add_argument("run", help="run directory (local or s3://)")
 
-    e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export/)")
+    e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export/)",
+                       parents=run_dir)
     e.add_argument("run", help="run directory (local or s3://)")
     e.add_argument("--to", required=True, choices=("specforge", "speculators"))
     e.add_argument("--format", required=True, choices=("dflash", "eagle3", "conversations"),
@@ -69,14 +95,48 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "the target's vocabulary)")
     e.add_argument("--target-vocab-size", type=int, help="specforge eagle3: default from the model's config")
 
+    s = sub.add_parser("status", help="progress of a run from its run directory alone (job/status.py)",
+                       parents=run_dir, description=status.__doc__.split("\n\n")[0])
+    s.add_argument("run", help="run directory (local path or s3:// URI)")
+    s.add_argument("--window-min", type=float, default=30.0,
+                   help="the 'recent' rate is measured over this many minutes (default %(default)s)")
+    s.add_argument("--names-only", action="store_true",
+                   help="count rows from shard names only, do not open shards (no tokens, no quality rates)")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
+
+    pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/plan.py)", parents=run_dir,
+                        description=plan.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="example: python -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 7 "
+                               "--tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81\n"
+                               "the arithmetic and the benchmark file format: job/plan.py")
+    pl.add_argument("--prompts", type=int, help="prompts to complete (default with --from: the run's total rows)")
+    pl.add_argument("--tokens-per-prompt", type=float, help="mean output tokens per prompt (reasoning + answer)")
+    pl.add_argument("--gpus", type=int, help="GPUs generating (one engine per GPU, or per TP group)")
+    pl.add_argument("--tokens-per-s-per-gpu", type=float, help="output tokens/s one GPU sustains at full batch")
+    pl.add_argument("--usd-per-gpu-hour", type=float, help="price of one GPU-hour (node price / GPUs per node)")
+    pl.add_argument("--prompt-tokens-per-prompt", type=float, help="mean prompt tokens (storage only; default 0)")
+    pl.add_argument("--hidden-bytes-per-token", type=float,
+                    help="stage-2 bytes per token: layers × hidden size × 2 (default "
+                         f"{plan.DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 5 × 5120 × bf16, Qwen3.6-27B DFlash)")
+    pl.add_argument("--completion-bytes-per-token", type=float,
+                    help=f"completion shard bytes per output token (default {plan.DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
+    pl.add_argument("--usd-per-gb-month", type=float, default=plan.DEFAULT_USD_PER_GB_MONTH,
+                    help="object storage price, for the monthly hidden-state line (default %(default)s)")
+    pl.add_argument("--from", dest="from_run", metavar="RUN_URI",
+                    help="take tokens per prompt, tokens/s per GPU and bytes per token from a run (finished or "
+                         "running)")
+    pl.add_argument("--from-gpus", type=int, help="GPUs the --from run used, when its run.json does not record it")
+    pl.add_argument("--from-bench", metavar="FILE",
+                    help="take tokens/s per GPU from a benchmark result JSON (e.g. bench/results/*.json; the format "
+                         "is in job/plan.py); it wins over --from's rate")
+    pl.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
     t = sub.add_parser("tiny-model", help="build one of the project's tiny models (dense Qwen3, or hybrid Qwen3.5)")
-    t.add_argument("--output", required=True)
+    t.add_argument("--output", required=True, help="model directory to write")
     t.add_argument("--architecture", choices=("dense", "hybrid"), default="dense",
                    help="dense: Qwen3-style; hybrid: the target's Qwen3.5/3.6 architecture (Gated DeltaNet, MTP)")
-    t.add_argument("--train-steps", type=int)
-
-    sub.add_parser("status", help="progress of a run from its run directory alone (see --help)", add_help=False)
-    sub.add_parser("plan", help="time, cost and storage before renting GPUs (see --help)", add_help=False)
+    t.add_argument("--train-steps", type=int, help="optimizer steps (default: the recipe's, 400 dense, 200 hybrid)")
+    t.add_argument("--seed", type=int, default=0)
 
     d = sub.add_parser("demo", help="both stages end to end on the embedded demo (what `make demo` runs)")
     d.add_argument("--output", default="demo-run")
@@ -84,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> RunConfig:
-    overrides = {"output": args.output, "model": args.model, "limit": args.limit}
+    overrides = {"output": args.output, "model": args.model, "limit": args.limit,
+                 "storage.endpoint_url": args.endpoint_url, "storage.region": args.region}
     if getattr(args, "input", None):
         overrides["input"] = args.input
     if getattr(args, "chat_template", None):
@@ -94,9 +155,6 @@ def _config(args) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["plan"], ["status"]):  # these two own their argument parsing (job/plan.py, job/status.py)
-        return importlib.import_module(f"job.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     from job.generate.engine import EngineStartError
     from job.generate import CanaryFailed
@@ -111,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)
         return 3
     except (ConfigError, InputError, RunError, StorageError, EngineStartError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (ValueError, OSError) as e:
+        if args.command not in _READ_ONLY:
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -146,7 +209,8 @@ def _dispatch(args) -> int:
         from job.export import export
 
         summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
-                         draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size)
+                         draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size,
+                         storage_config=_storage(args))
         reasons = "; ".join(f"{n} {r}" for r, n in summary["dropped_by_reason"].items())
         print(f"export: {summary['num_samples']:,} samples → {args.output} ({args.to} {args.format}); "
               f"dropped {summary['num_dropped']:,}" + (f": {reasons}" if reasons else "") +
@@ -155,13 +219,26 @@ def _dispatch(args) -> int:
     if args.command == "report":
         from job.report import build_report, format_report
 
-        print(format_report(build_report(args.run)))
+        print(format_report(build_report(args.run, _storage(args))))
+        return 0
+    if args.command == "status":
+        from job.status import build_status, format_status
+
+        st = build_status(args.run, _storage(args), window_s=args.window_min * 60, read_columns=not args.names_only)
+        print(json.dumps(st, indent=2) if args.json else format_status(st))
+        return 0
+    if args.command == "plan":
+        from job.plan import format_plan, plan_from_flags
+
+        estimate, measured = plan_from_flags(args, _storage(args))
+        print(json.dumps({**estimate, "measured": measured}, indent=2, default=str) if args.json
+              else format_plan(estimate, measured))
         return 0
     if args.command == "tiny-model":
         from job.tiny_model import build_tiny_model
 
-        kwargs = {"train_steps": args.train_steps} if args.train_steps else {}
-        print(build_tiny_model(args.output, architecture=args.architecture, **kwargs))
+        print(build_tiny_model(args.output, architecture=args.architecture, train_steps=args.train_steps,
+                               seed=args.seed))
         return 0
     if args.command == "demo":
         from job.demo import run_demo

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from job.storage import StorageConfig
+
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+"""The config every run command reads unless given --config (relative to the working directory)."""
 
 
 class ConfigError(ValueError):
@@ -90,6 +95,16 @@ class GenerateConfig:
     hang_timeout_s: float = 900
     """An engine with requests in flight that finishes none for this long is declared hung and replaced."""
 
+    def __post_init__(self):
+        if self.rows_per_shard < 1:
+            raise ConfigError("config: generate.rows_per_shard must be >= 1")
+        if self.max_engines is not None and (self.max_engines < 1 or self.max_engines < (self.num_engines or 1)):
+            raise ConfigError(f"config: generate.max_engines ({self.max_engines}) must be >= 1 and >= "
+                              f"generate.num_engines ({self.num_engines})")
+        if self.regenerate not in REGENERATE_MODES:
+            raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
+                              f"got {self.regenerate!r}")
+
 
 @dataclass(kw_only=True)
 class HiddenStatesConfig:
@@ -159,6 +174,26 @@ class HiddenStatesConfig:
         if not 0 <= self.min_rms < self.max_rms:
             raise ConfigError("config: hidden_states.min_rms must be >= 0 and below max_rms")
 
+    def resolved_layer_ids(self, num_layers: int) -> list[int]:
+        """`layer_ids` on a model of `num_layers` decoder layers: negative ids counted from the end, checked."""
+        return resolve_layer_ids(self.layer_ids, num_layers)
+
+
+def resolve_layer_ids(layer_ids: Iterable[int], num_layers: int) -> list[int]:
+    """The one place layer ids are resolved: negative ids count from the end (-1 = last layer = num_layers - 1);
+    every id must name a decoder layer of the model, each at most once. Raises ConfigError (a ValueError)."""
+    layer_ids = list(layer_ids)
+    resolved = []
+    for k in layer_ids:
+        r = k + num_layers if k < 0 else k
+        if not 0 <= r < num_layers:
+            raise ConfigError(f"hidden_states.layer_ids: layer {k} is out of range for a model with {num_layers} "
+                              f"decoder layers (valid: 0..{num_layers - 1}, or -1 for the last)")
+        resolved.append(r)
+    if len(set(resolved)) != len(resolved):
+        raise ConfigError(f"hidden_states.layer_ids {layer_ids} name the same layer twice ({resolved})")
+    return resolved
+
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -181,17 +216,9 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self):
+        # Each section checked itself when it was built (its __post_init__); here only the top level's own keys.
         if not self.model:
             raise ConfigError("config: `model` is required (a model directory or name)")
-        if self.generate.rows_per_shard < 1:
-            raise ConfigError("config: generate.rows_per_shard must be >= 1")
-        gen = self.generate
-        if gen.max_engines is not None and (gen.max_engines < 1 or gen.max_engines < (gen.num_engines or 1)):
-            raise ConfigError(f"config: generate.max_engines ({gen.max_engines}) must be >= 1 and >= "
-                              f"generate.num_engines ({gen.num_engines})")
-        if gen.regenerate not in REGENERATE_MODES:
-            raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
-                              f"got {gen.regenerate!r}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError("config: limit must be >= 1")
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)

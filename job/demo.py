@@ -12,7 +12,6 @@ from importlib import resources
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-DEMO_CONFIG = "configs/demo.yaml"
 TINY_MODEL_DIR = ".cache/tiny-model"
 DEMO_PROMPTS_DIR = ".cache/demo-prompts"
 NUM_DEMO_PROMPTS = 384
@@ -66,7 +65,7 @@ def write_demo_prompts(output_dir: str = DEMO_PROMPTS_DIR, num_prompts: int = NU
 
 
 def run_demo(output: str) -> int:
-    from job.config import load_config
+    from job.config import DEFAULT_CONFIG, load_config
     from job.generate import run_generate
     from job.report import print_summary
     from job.tiny_model import ensure_tiny_model
@@ -74,7 +73,7 @@ def run_demo(output: str) -> int:
     print(f"demo: tiny model in {TINY_MODEL_DIR} (built once, ~1-2 min)", flush=True)
     ensure_tiny_model(TINY_MODEL_DIR)
     write_demo_prompts()
-    config = load_config(DEMO_CONFIG, output=output)
+    config = load_config(DEFAULT_CONFIG, output=output)
     print_summary(config, run_generate(config))
     try:
         from job.hidden_states import run_hidden_states

@@ -7,6 +7,10 @@
     # measure first (a canary-sized run on the real cluster), then plan the full run from it:
     python -m job plan --from s3://my-bucket/runs/canary --prompts 914000 --gpus 8 --usd-per-gpu-hour 3.81
 
+    # or take tokens/s per GPU from a benchmark result (bench/results/*.json):
+    python -m job plan --from-bench bench/results/h200_stage1_27b.json --prompts 914000 --tokens-per-prompt 2500 \
+        --gpus 8 --usd-per-gpu-hour 3.81
+
 The arithmetic, all of it:
     output tokens      = prompts × tokens per prompt
     hours              = output tokens / (GPUs × tokens/s per GPU) / 3600
@@ -18,13 +22,22 @@ The arithmetic, all of it:
 
 `--from RUN` replaces the guesses with what a run measured: output tokens per prompt (mean over its shards,
 error rows included since they happen in the full run too), prompt tokens per prompt, shard bytes per row,
-and tokens/s per GPU (run.json's throughput figures when present, else shard timestamps;
-see job/status.py). Flags given explicitly always win over measured values.
+and tokens/s per GPU: `generate.output_tokens_per_s` of run.json (written when the job completes) over its GPUs
+(`generate.num_engines` × tensor_parallel_size, or --from-gpus), else the rate of the shard timestamps (see
+job/status.py).
+
+`--from-bench FILE` takes tokens/s per GPU from a benchmark result, a JSON object with one of
+    "tokens_per_s_per_gpu": 3562                   the figure itself (what bench/results/*.json hold), or
+    "tok_per_s_window": 3562                       a bench/bench_generate.py result line (`RESULT {...}`), or
+    "output_tokens": N, "generation_s": S          the same, from its two raw fields;
+the last two are divided by "num_gpus" (default 1: bench_generate.py drives one GPU). Anything else in the
+object ("gpu", "what", "date", ...) is shown beside the figure. A benchmark's tokens per prompt are its
+max_tokens, not the data's, so only its rate is used. It wins over --from's rate; flags given explicitly always
+win over measured values. The format is checked by tests/test_plan.py on bench/results/h200_stage1_27b.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -105,8 +118,9 @@ def _bytes(n: float) -> str:
 def format_plan(e: dict, measured: dict | None = None) -> str:
     p = e["inputs"]
     lines = []
-    if measured:
-        lines.append(f"measured on {measured['run']}: " + ", ".join(measured["notes"]))
+    for m in (measured, (measured or {}).get("bench")):  # --from's run, --from-bench's file
+        if m and m.get("notes"):
+            lines.append(f"{m['source']}: " + ", ".join(m["notes"]))
     lines += [
         f"work     {p['num_prompts']:,} prompts × {p['output_tokens_per_prompt']:,.0f} output tokens = "
         f"{e['output_tokens'] / 1e9:,.3f}B output tokens",
@@ -139,33 +153,18 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
 
 
 def _gpus_of_run(run: dict) -> int | None:
-    """GPUs a run's engines held, as far as run.json says: `generate.num_gpus` when recorded, else
-    `generate.num_engines` (or the config's `generate.num_engines`) × tensor_parallel_size. A CPU run's engine
-    counts as one "GPU" here, which is what a CPU-sized rehearsal of the arithmetic wants."""
-    gen = run.get("generate", {})
-    for src in (gen.get("throughput", {}), gen):
-        if src.get("num_gpus"):
-            return int(src["num_gpus"])
+    """GPUs a run's engines held, as far as run.json says: `generate.num_engines` (written when the job completes;
+    else the config's `generate.num_engines`) × tensor_parallel_size. A CPU run's engine counts as one "GPU" here,
+    which is what a CPU-sized rehearsal of the arithmetic wants."""
     cfg = run.get("config", {})
     tp = int(cfg.get("engine_kwargs", {}).get("tensor_parallel_size", 1))
-    engines = gen.get("num_engines") or cfg.get("generate", {}).get("num_engines")
+    engines = run.get("generate", {}).get("num_engines") or cfg.get("generate", {}).get("num_engines")
     return int(engines) * tp if engines else None
-
-
-def _recorded_tokens_per_s(run: dict, report: dict | None) -> float | None:
-    """Cluster output tokens/s over the generation window, as the last job recorded it (run.json or report)."""
-    gen = run.get("generate", {})
-    for src in (gen.get("throughput", {}), gen, (report or {}).get("throughput", {})):
-        if src.get("output_tokens_per_s"):
-            return float(src["output_tokens_per_s"])
-        if src.get("output_tokens") and src.get("generation_seconds"):
-            return float(src["output_tokens"]) / float(src["generation_seconds"])
-    return None
 
 
 def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = None) -> dict:
     """What a run measured: tokens per prompt, bytes per token, tokens/s per GPU (None if it cannot be known)."""
-    from job import layout, storage
+    from job import layout
     from job.runs import read_run_json
     from job.status import measure_rate, scan_completions
     from job.storage import StorageConfig
@@ -174,8 +173,6 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     run = read_run_json(run_uri, storage_config)
     if run is None:
         raise PlanError(f"--from {run_uri}: no {layout.RUN_JSON} there, so it is not a run directory")
-    report_uri = storage.join(run_uri, layout.REPORTS_DIR, "generate.json")
-    report = storage.read_json(report_uri, storage_config) if storage.exists(report_uri, storage_config) else None
     shards = scan_completions(run_uri, storage_config)
     rows = sum(s.num_rows for s in shards)
     if rows == 0:
@@ -185,6 +182,7 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     prompt_tokens = sum(s.num_prompt_tokens for s in shards)
     measured = {
         "run": run_uri,
+        "source": f"measured on {run_uri}",
         "rows": rows,
         "rows_total": run.get("generate", {}).get("input", {}).get("num_rows"),
         "output_tokens_per_prompt": out_tokens / rows,
@@ -195,7 +193,8 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     }
     notes = [f"{rows:,} rows", f"{measured['output_tokens_per_prompt']:,.0f} output tokens per prompt"]
 
-    cluster_tps, source = _recorded_tokens_per_s(run, report), "recorded by the job"
+    recorded = run.get("generate", {}).get("output_tokens_per_s")
+    cluster_tps, source = (float(recorded), "recorded by the job") if recorded else (None, "")
     if cluster_tps is None:
         rate = measure_rate(shards)
         if rate:
@@ -210,82 +209,75 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     return measured
 
 
-# ---------------------------------------------------------------------------------------------------------------
+def read_bench(path: str) -> dict:
+    """Tokens/s per GPU from a benchmark result file (the format is in this module's docstring)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise PlanError(f"--from-bench {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"--from-bench {path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"--from-bench {path}: expected a JSON object, got {type(data).__name__}")
+    gpus = data.get("num_gpus") or 1
+    if data.get("tokens_per_s_per_gpu"):
+        tps = float(data["tokens_per_s_per_gpu"])
+    elif data.get("tok_per_s_window"):
+        tps = float(data["tok_per_s_window"]) / gpus
+    elif data.get("output_tokens") and data.get("generation_s"):
+        tps = float(data["output_tokens"]) / float(data["generation_s"]) / gpus
+    else:
+        raise PlanError(f"--from-bench {path}: has none of tokens_per_s_per_gpu, tok_per_s_window, or "
+                        "output_tokens with generation_s (see job/plan.py)")
+    notes = [f"{tps:,.0f} tok/s per GPU"] + [f"{data[k]}" for k in ("gpu", "what", "date") if data.get(k)]
+    return {"bench": path, "source": f"benchmark {path}", "output_tokens_per_s_per_gpu": tps, "notes": notes}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m job plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="example: python -m job plan --prompts 914000 --tokens-per-prompt 2500 "
-                                       "--gpus 7 --tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81")
-    p.add_argument("--prompts", type=int, help="prompts to complete (default with --from: the run's total rows)")
-    p.add_argument("--tokens-per-prompt", type=float, help="mean output tokens per prompt (reasoning + answer)")
-    p.add_argument("--gpus", type=int, help="GPUs generating (one engine per GPU, or per TP group)")
-    p.add_argument("--tokens-per-s-per-gpu", type=float, help="output tokens/s one GPU sustains at full batch")
-    p.add_argument("--usd-per-gpu-hour", type=float, help="price of one GPU-hour (node price / GPUs per node)")
-    p.add_argument("--prompt-tokens-per-prompt", type=float, help="mean prompt tokens (storage only; default 0)")
-    p.add_argument("--hidden-bytes-per-token", type=float,
-                   help="stage-2 bytes per token: layers × hidden size × 2 (default "
-                        f"{DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 5 × 5120 × bf16, Qwen3.6-27B DFlash)")
-    p.add_argument("--completion-bytes-per-token", type=float,
-                   help=f"completion shard bytes per output token (default {DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
-    p.add_argument("--usd-per-gb-month", type=float, default=DEFAULT_USD_PER_GB_MONTH,
-                   help="object storage price, for the monthly hidden-state line (default %(default)s)")
-    p.add_argument("--from", dest="from_run", metavar="RUN_URI",
-                   help="take tokens per prompt, tokens/s per GPU and bytes per token from a run (finished or running)")
-    p.add_argument("--from-gpus", type=int,
-                   help="GPUs the --from run used, when its run.json does not record it")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    return p
+def plan_from_flags(args, storage_config=None) -> tuple[dict, dict | None]:
+    """`python -m job plan`'s flags (job/cli.py) → (estimate, what was measured or None). Raises PlanError naming
+    the flag to pass when an input is missing."""
+    run = measure_run(args.from_run, storage_config, num_gpus=args.from_gpus) if args.from_run else None
+    bench = read_bench(args.from_bench) if args.from_bench else None
+    m = {**(run or {}), **({"output_tokens_per_s_per_gpu": bench["output_tokens_per_s_per_gpu"]} if bench else {})}
+
+    def pick(flag_value, measured_key, flag, default=None):
+        if flag_value is not None:
+            return flag_value
+        if m.get(measured_key) is not None:
+            return m[measured_key]
+        if default is not None:
+            return default
+        hint = ""
+        if run and run["num_gpus"] is None and measured_key in ("num_gpus", "output_tokens_per_s_per_gpu"):
+            hint = (f" ({run['run']} does not record how many GPUs it ran on: pass --from-gpus G with "
+                    "that number, and --gpus for the planned run)")
+        raise PlanError(f"plan: pass {flag}{hint}")
+
+    inputs = PlanInputs(
+        num_prompts=pick(args.prompts, "rows_total", "--prompts N"),
+        output_tokens_per_prompt=pick(args.tokens_per_prompt, "output_tokens_per_prompt", "--tokens-per-prompt T"),
+        num_gpus=pick(args.gpus, "num_gpus", "--gpus G"),
+        output_tokens_per_s_per_gpu=pick(args.tokens_per_s_per_gpu, "output_tokens_per_s_per_gpu",
+                                         "--tokens-per-s-per-gpu R"),
+        usd_per_gpu_hour=pick(args.usd_per_gpu_hour, "-", "--usd-per-gpu-hour P"),
+        prompt_tokens_per_prompt=pick(args.prompt_tokens_per_prompt, "prompt_tokens_per_prompt", "", 0.0),
+        hidden_bytes_per_token=pick(args.hidden_bytes_per_token, "-", "", DEFAULT_HIDDEN_BYTES_PER_TOKEN),
+        completion_bytes_per_token=pick(args.completion_bytes_per_token, "-", "", DEFAULT_COMPLETION_BYTES_PER_TOKEN),
+        # Measured bytes per prompt, while tokens per prompt is the measured one too.
+        completion_bytes_per_prompt=None if args.completion_bytes_per_token is not None
+        or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
+        usd_per_gb_month=args.usd_per_gb_month,
+    )
+    measured = {**(run or {}), "bench": bench} if run or bench else None
+    return estimate(inputs), measured
 
 
 def main(argv: list[str] | None = None) -> int:
-    from job.storage import StorageError
+    """`python -m job plan ARGS` (kept for callers of `plan.main`); the parser lives in job/cli.py."""
+    from job.cli import main as cli_main
 
-    args = build_parser().parse_args(argv)
-    try:
-        measured = measure_run(args.from_run, num_gpus=args.from_gpus) if args.from_run else None
-        m = measured or {}
-
-        def pick(flag_value, measured_key, flag, default=None):
-            if flag_value is not None:
-                return flag_value
-            if m.get(measured_key) is not None:
-                return m[measured_key]
-            if default is not None:
-                return default
-            hint = ""
-            if measured and measured["num_gpus"] is None and measured_key in ("num_gpus",
-                                                                                "output_tokens_per_s_per_gpu"):
-                hint = (f" ({measured['run']} does not record how many GPUs it ran on: pass --from-gpus G with "
-                        "that number, and --gpus for the planned run)")
-            raise PlanError(f"plan: pass {flag}{hint}")
-
-        inputs = PlanInputs(
-            num_prompts=pick(args.prompts, "rows_total", "--prompts N"),
-            output_tokens_per_prompt=pick(args.tokens_per_prompt, "output_tokens_per_prompt", "--tokens-per-prompt T"),
-            num_gpus=pick(args.gpus, "num_gpus", "--gpus G"),
-            output_tokens_per_s_per_gpu=pick(args.tokens_per_s_per_gpu, "output_tokens_per_s_per_gpu",
-                                             "--tokens-per-s-per-gpu R"),
-            usd_per_gpu_hour=pick(args.usd_per_gpu_hour, "-", "--usd-per-gpu-hour P"),
-            prompt_tokens_per_prompt=pick(args.prompt_tokens_per_prompt, "prompt_tokens_per_prompt", "", 0.0),
-            hidden_bytes_per_token=pick(args.hidden_bytes_per_token, "-", "", DEFAULT_HIDDEN_BYTES_PER_TOKEN),
-            completion_bytes_per_token=pick(args.completion_bytes_per_token, "-", "",
-                                            DEFAULT_COMPLETION_BYTES_PER_TOKEN),
-            # Measured bytes per prompt, while tokens per prompt is the measured one too.
-            completion_bytes_per_prompt=None if args.completion_bytes_per_token is not None
-            or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
-            usd_per_gb_month=args.usd_per_gb_month,
-        )
-    except (ValueError, OSError, StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result = estimate(inputs)
-    if args.json:
-        print(json.dumps({**result, "measured": measured}, indent=2, default=str))
-    else:
-        print(format_plan(result, measured))
-    return 0
+    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

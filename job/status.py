@@ -16,8 +16,6 @@ What it reads:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -384,23 +382,10 @@ def format_status(st: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m job status", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", help="run directory (local path or s3:// URI)")
-    parser.add_argument("--window-min", type=float, default=30.0,
-                        help="the 'recent' rate is measured over this many minutes (default %(default)s)")
-    parser.add_argument("--names-only", action="store_true",
-                        help="count rows from shard names only, do not open shards (no tokens, no quality rates)")
-    parser.add_argument("--json", action="store_true", help="print the status as JSON")
-    parser.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS itself)")
-    args = parser.parse_args(argv)
-    try:
-        st = build_status(args.run, StorageConfig(endpoint_url=args.endpoint_url), window_s=args.window_min * 60,
-                          read_columns=not args.names_only)
-    except (ValueError, OSError, storage.StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
-    return 0
+    """`python -m job status ARGS` (kept for callers of `status.main`); the parser lives in job/cli.py."""
+    from job.cli import main as cli_main
+
+    return cli_main(["status", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

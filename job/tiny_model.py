@@ -12,9 +12,9 @@ already opened `<think>\n`. This module builds one from `job/data/corpus.txt` (~
 with the package), deterministically: the same arguments give byte-identical files on the same machine and
 package versions.
 
-    python -m job.tiny_model --output .cache/tiny-model                  # default recipe, ~85 s on 2 cores
-    python -m job.tiny_model --output .cache/tiny-hybrid --architecture hybrid
-    python -m job.tiny_model --output /tmp/tiny --train-steps 5          # ~5 s: loadable, not trained
+    python -m job tiny-model --output .cache/tiny-model                  # default recipe, ~85 s on 2 cores
+    python -m job tiny-model --output .cache/tiny-hybrid --architecture hybrid
+    python -m job tiny-model --output /tmp/tiny --train-steps 5          # ~5 s: loadable, not trained
 
     from job.tiny_model import ensure_tiny_model
     model_dir = ensure_tiny_model(".cache/tiny-model")                   # builds once, then reuses
@@ -42,7 +42,6 @@ stitched from corpus sentences: this model exercises the pipeline, it knows noth
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import functools
@@ -722,20 +721,3 @@ def ensure_tiny_model(output_dir: str, *, architecture: str = "dense", train_ste
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return output_dir
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m job.tiny_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", required=True, help="model directory to write")
-    parser.add_argument("--architecture", choices=ARCHITECTURES, default="dense")
-    parser.add_argument("--train-steps", type=int,
-                        help=f"optimizer steps (default {DEFAULT_TRAIN_STEPS} dense, {DEFAULT_HYBRID_TRAIN_STEPS} hybrid)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    build_tiny_model(args.output, architecture=args.architecture, train_steps=args.train_steps, seed=args.seed)
-    print(f"[tiny-model] wrote {args.output} in {time.monotonic() - started:.0f}s")
-
-
-if __name__ == "__main__":
-    main()

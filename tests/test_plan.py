@@ -1,8 +1,10 @@
-"""`python -m job plan`: the arithmetic (including a real run's numbers) and `--from RUN` measurements."""
+"""`python -m job plan`: the arithmetic (including a real run's numbers), `--from RUN` measurements and
+`--from-bench FILE` benchmark results."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,41 @@ def test_from_a_run_without_rows(tmp_path, capsys):
     write_run(run, [], total_rows=10)
     assert plan.main(["--from", run, *REAL_RUN[2:]]) == 2
     assert "no completion rows yet" in capsys.readouterr().err
+
+
+H200_BENCH = str(Path(__file__).resolve().parent.parent / "bench" / "results" / "h200_stage1_27b.json")
+
+
+def test_from_bench_file(capsys):
+    """The committed H200 result: its tok/s per GPU replaces the seed's 2,000; everything else is the same plan, so
+    GPU-hours shrink by exactly 2,000 / 3,562 and the line says where the figure came from."""
+    seed = ["--prompts", "914000", "--tokens-per-prompt", "2500", "--gpus", "8", "--usd-per-gpu-hour", "3.81"]
+    assert plan.main([*seed, "--tokens-per-s-per-gpu", "2000", "--json"]) == 0
+    guessed = json.loads(capsys.readouterr().out)
+    assert plan.main([*seed, "--from-bench", H200_BENCH, "--json"]) == 0
+    benched = json.loads(capsys.readouterr().out)
+    assert benched["inputs"]["output_tokens_per_s_per_gpu"] == 3562
+    assert benched["gpu_hours"] == pytest.approx(guessed["gpu_hours"] * 2000 / 3562)
+    assert benched["gpu_hours"] == pytest.approx(914_000 * 2500 / 3562 / 3600)
+    assert benched["measured"]["bench"]["bench"] == H200_BENCH
+    assert plan.main([*seed, "--from-bench", H200_BENCH]) == 0
+    out = capsys.readouterr().out
+    assert f"benchmark {H200_BENCH}: 3,562 tok/s per GPU" in out and "8 GPUs × 3,562 tok/s per GPU" in out
+    # An explicit flag still wins.
+    assert plan.main([*seed, "--from-bench", H200_BENCH, "--tokens-per-s-per-gpu", "1000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["output_tokens_per_s_per_gpu"] == 1000
+
+
+def test_from_bench_accepts_bench_generate_results_and_refuses_others(tmp_path, capsys):
+    raw = tmp_path / "stage1.json"  # a bench/bench_generate.py RESULT line: two GPUs' tokens over the window
+    raw.write_text(json.dumps({"rows": 256, "output_tokens": 400_000, "generation_s": 100.0, "num_gpus": 2}))
+    assert plan.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 2000
+    raw.write_text(json.dumps({"tok_per_s_window": 3000.0}))
+    assert plan.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 3000
+    for content, expected in (({"gpu": "H200"}, "has none of tokens_per_s_per_gpu"), ([1, 2], "a JSON object"),
+                              ("{not json", "not JSON")):
+        raw.write_text(content if isinstance(content, str) else json.dumps(content))
+        assert plan.main([*REAL_RUN[:6], "--usd-per-gpu-hour", "1", "--from-bench", str(raw)]) == 2
+        assert expected in capsys.readouterr().err
+    assert plan.main([*REAL_RUN, "--from-bench", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
