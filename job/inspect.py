@@ -589,7 +589,7 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
         layout = hidden_state_layout(run_uri, storage_config)
     if layout is None and ov["model"]:
         try:
-            from job.hidden_states.samples import resolve_layer_ids
+            from job.config import resolve_layer_ids
             from job.hidden_states import model_shape
 
             num_layers, hidden = model_shape(ov["model"])

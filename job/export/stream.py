@@ -54,7 +54,7 @@ class TrainerLayout:
 def stream(config, *, to: str, format: str, layers: list[int] | None = None):
     """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
     online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`)."""
-    from job.hidden_states.samples import resolve_layer_ids
+    from job.config import resolve_layer_ids
     from job.hidden_states import dataset, model_shape
 
     num_layers, _ = model_shape(config.model)

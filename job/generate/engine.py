@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from job import layout, schema, storage
-from job.generate import inputs, prompts, quality
 from job.config import RunConfig, from_dict
+from job.generate import inputs, prompts, quality
 
 log = logging.getLogger("job.generate.engine")
 

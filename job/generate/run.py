@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from job import layout, progress, report, runs, stage, storage
-from job.generate import inputs, quality
 from job.config import ConfigError, RunConfig
+from job.generate import inputs, quality
 
 log = logging.getLogger("job.generate")
 

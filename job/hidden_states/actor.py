@@ -13,11 +13,11 @@ import numpy as np
 
 from job import layout, schema, storage
 from job.config import ConfigError
-from job.layout import HiddenStateUnit
 from job.hidden_states.checks import (FeatureStats, compare, pick_samples, reference_features, split_features,
                                       tolerance_for, verdict)
 from job.hidden_states.samples import plan_parts, samples_from_completions
 from job.hidden_states.shards import BackgroundWriter, part_table, table_to_ipc
+from job.layout import HiddenStateUnit
 
 
 # ---------------------------------------------------------------------------------------------------------------

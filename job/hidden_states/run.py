@@ -22,12 +22,11 @@ import numpy as np
 import pyarrow.ipc as ipc
 
 from job import layout, progress, runs, schema, stage, storage
-from job.config import ConfigError, RunConfig
-from job.layout import HiddenStateUnit
+from job.config import ConfigError, RunConfig, resolve_layer_ids
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
 from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
-from job.hidden_states.samples import resolve_layer_ids
 from job.hidden_states.shards import iter_records
+from job.layout import HiddenStateUnit
 
 
 STAGE = "hidden_states"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -122,21 +122,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, packed: bool = False) ->
         batches.append((start, stop))
         start = stop
     return batches
-
-
-def resolve_layer_ids(layer_ids: Iterable[int], num_layers: int) -> list[int]:
-    """Negative ids count from the end (-1 = last layer); the result is checked against the model."""
-    resolved = []
-    for k in layer_ids:
-        r = k + num_layers if k < 0 else k
-        if not 0 <= r < num_layers:
-            raise ValueError(f"hidden_states.layer_ids: layer {k} is out of range for a model with {num_layers} "
-                             f"decoder layers (valid: 0..{num_layers - 1}, or -1 for the last)")
-        resolved.append(r)
-    if len(set(resolved)) != len(resolved):
-        raise ValueError(f"hidden_states.layer_ids {list(layer_ids)} name the same layer twice ({resolved})")
-    return resolved
-
 
 
 @dataclass

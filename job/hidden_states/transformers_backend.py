@@ -35,11 +35,12 @@ from typing import Iterator
 import numpy as np
 
 from job import schema
+from job.config import resolve_layer_ids
 from job.hidden_states.checks import FeatureStats, check_features
 from job.hidden_states.packing import (PACKABLE_LAYERS, PACKED_ATTENTION, _register_packed_attention,
                                        _varlen_gated_deltanet, decoder_stack, packed_attention_available,
                                        packing_problem, slow_path_warnings, varlen_gdn_problem)
-from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, plan_batches, resolve_layer_ids
+from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, plan_batches
 from job.hidden_states.shards import _DTYPES, _torch_dtype
 
 

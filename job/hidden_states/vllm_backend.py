@@ -8,8 +8,9 @@ from typing import Iterator
 import numpy as np
 
 from job import schema
+from job.config import resolve_layer_ids
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, resolve_layer_ids
+from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool
 
 
 # ---------------------------------------------------------------------------------------------------------------
