@@ -28,6 +28,7 @@ from collections import deque
 from typing import Callable
 
 from job import schema
+from job.formatting import format_duration as fmt_duration
 
 # Short names for the quality flags in the progress line.
 _FLAG_ABBREV = {
@@ -38,18 +39,6 @@ _FLAG_ABBREV = {
     schema.FLAG_REPETITION: "rep",
     schema.FLAG_TEMPLATE_MISMATCH: "tmpl",
 }
-
-
-def fmt_duration(seconds: float) -> str:
-    if seconds != seconds or seconds == float("inf") or seconds < 0:
-        return "?"
-    seconds = int(seconds)
-    d, rem = divmod(seconds, 86400)
-    h, rem = divmod(rem, 3600)
-    m, s = divmod(rem, 60)
-    if d:
-        return f"{d}d{h:02d}h"
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class Progress:

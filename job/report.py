@@ -1,7 +1,7 @@
 """Run report: counts and rates of every quality flag, length percentiles, finish reasons, error kinds.
 
 Built from the completion shards committed so far, so `python -m job report RUN` works on a finished run and on
-one still running. Reads only the small columns (no token lists), so it stays cheap on a 1M-row run.
+one still running. Reads only the small columns (no token lists, job/scan.py), so it stays cheap on a 1M-row run.
 """
 
 from __future__ import annotations
@@ -10,27 +10,12 @@ import re
 from collections import Counter
 
 import numpy as np
-import pyarrow as pa
 
-from job import layout, schema, storage
+from job import layout, scan, schema, storage
 from job.storage import StorageConfig
 
 _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
                    schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR]
-
-
-def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    return storage.list_files(storage.join(run_uri, layout.COMPLETIONS_DIR), layout.SHARD_SUFFIX, storage_config)
-
-
-def read_completion_columns(run_uri: str, columns: list[str] | None = None,
-                            storage_config: StorageConfig | None = None) -> pa.Table:
-    columns = columns or _REPORT_COLUMNS
-    tables = [storage.read_shard_columns(u, columns, storage_config).select(columns)
-              for u in completion_shards(run_uri, storage_config)]
-    if not tables:
-        return schema.completion_schema().empty_table().select(columns)
-    return pa.concat_tables(tables)
 
 
 def error_kind(message: str) -> str:
@@ -50,17 +35,17 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> d
 
     storage_config = storage_config or StorageConfig()
     run = read_run_json(run_uri, storage_config) or {}
-    table = read_completion_columns(run_uri, storage_config=storage_config)
+    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config)
     errors = table.column(schema.ERROR).to_pylist()
-    ok_mask = np.array([e is None for e in errors], dtype=bool)
+    ok_mask = scan.ok_rows(table)
     num_ok = int(ok_mask.sum())
 
     def col(name: str) -> np.ndarray:
-        return np.array(table.column(name).fill_null(0).to_pylist(), dtype=np.int64)[ok_mask]
+        return scan.ints(table, name)[ok_mask]
 
     flags = {}
     for flag in schema.QUALITY_FLAGS:
-        n = int(np.array(table.column(flag).fill_null(False).to_pylist(), dtype=bool)[ok_mask].sum())
+        n = int(scan.bools(table, flag)[ok_mask].sum())
         flags[flag] = {"count": n, "rate": n / num_ok if num_ok else 0.0}
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")
@@ -99,7 +84,7 @@ def format_report(report: dict) -> str:
 
 def write_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
     report = build_report(run_uri, storage_config)
-    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, "generate.json"), report, storage_config)
+    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config)
     return report
 
 
@@ -118,7 +103,7 @@ def print_summary(config, summary) -> None:
     print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
           f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
     print(f"shards:  {storage.join(config.output, layout.COMPLETIONS_DIR)}/*.arrow  (report: "
-          f"{storage.join(config.output, layout.REPORTS_DIR, 'generate.json')})")
+          f"{storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)})")
     print(f"look at them: make notebook RUN_DIR={config.output}, or "
           f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
           "format='arrow')")

@@ -115,6 +115,15 @@ NUM_TOKENS = "num_tokens"
 CLIPPED = "clipped"  # true when prompt + completion was longer than max_length and was cut
 ORIGINAL_NUM_TOKENS = "original_num_tokens"
 
+# Bytes one token takes in a hidden-state shard: its features (layers × hidden × the dtype's item size), plus its
+# input id (int32) and loss-mask value (uint8) stored next to them.
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+BYTES_PER_TOKEN_EXTRA = 4 + 1
+
+
+def hidden_state_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
+    return num_layers * hidden_size * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA
+
 # Schema metadata keys of hidden-state shards.
 META_MODEL = b"model"
 META_LAYER_IDS = b"layer_ids"

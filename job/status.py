@@ -8,10 +8,9 @@ What it reads:
 - the completion shard *names* (`f{file:05d}-r{start:010d}-{stop:010d}.arrow`): which rows are done, and the
   holes between done ranges (units lost with a crashed job, redone by the next `generate`);
 - the shard *modification times*: rates and ETA (a shard is written when its whole unit is done);
-- a few small columns of every shard (`num_output_tokens`, `num_prompt_tokens`, `error`, the quality flags): the
-  Arrow IPC footer lets us fetch only those buffers, never the token lists. On S3 that is a handful of range
-  GETs per shard; a 914K-row run at 256 rows per shard (~3,600 shards) is scanned in well under a minute with
-  32 threads.
+- a few small columns of every shard (`num_output_tokens`, `num_prompt_tokens`, `error`, the quality flags), read
+  the way job/scan.py reads them: only those buffers, never the token lists.
+- stage 2's parts and done markers under `hidden_states/` (names parsed by job/layout.py).
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import layout, schema, storage
+from job import layout, scan, schema, storage
+from job.formatting import format_bytes, format_duration
 from job.storage import StorageConfig
 
 # Columns a shard scan reads; everything else (token lists, texts, carried columns) stays on disk.
@@ -54,41 +53,26 @@ class ShardStat:
     flags: dict[str, int] = field(default_factory=dict)
 
 
-def _list_shards(directory: str, storage_config: StorageConfig) -> list[tuple[str, float, int]]:
-    """(name, mtime, size) of every `.arrow` shard under `directory`; [] when it does not exist yet."""
-    return [(name, mtime or 0.0, size)
-            for name, size, mtime in storage.list_file_infos(directory, layout.SHARD_SUFFIX, storage_config)]
-
-
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
                      num_threads: int = 32) -> list[ShardStat]:
     """Every completion shard of a run with its counts, sorted by modification time."""
     storage_config = storage_config or StorageConfig()
-    directory = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    stats = []
-    for name, mtime, size in _list_shards(directory, storage_config):
-        parsed = layout.parse_completion_shard_name(name)
-        if parsed is None:  # not ours (a file someone copied in): ignored, never counted
-            continue
-        stats.append(ShardStat(name=name, file_index=parsed[0], start=parsed[1], stop=parsed[2], mtime=mtime,
-                               size=size, num_rows=parsed[2] - parsed[1]))
+    listed = scan.list_completion_shards(run_uri, storage_config)
+    stats = [ShardStat(name=s.name, file_index=s.file_index, start=s.start, stop=s.stop, mtime=s.mtime, size=s.size,
+                       num_rows=s.stop - s.start) for s in listed]
     if read_columns and stats:
-        def fill(stat: ShardStat) -> None:
-            t = storage.read_shard_columns(storage.join(directory, stat.name), _SCAN_COLUMNS, storage_config)
+        tables = scan.read_shard_tables([s.uri for s in listed], list(_SCAN_COLUMNS), storage_config, num_threads)
+        for stat, t in zip(stats, tables):
             stat.num_rows = t.num_rows
             if schema.ERROR in t.column_names:
-                stat.num_errors = t.num_rows - t.column(schema.ERROR).null_count
+                stat.num_errors = t.num_rows - int(scan.ok_rows(t).sum())
             for col, attr in ((schema.NUM_OUTPUT_TOKENS, "num_output_tokens"),
                               (schema.NUM_PROMPT_TOKENS, "num_prompt_tokens")):
                 if col in t.column_names:
                     setattr(stat, attr, int(pc.sum(t.column(col)).as_py() or 0))
             for flag in schema.QUALITY_FLAGS:
                 if flag in t.column_names:
-                    stat.flags[flag] = int(pc.sum(t.column(flag).fill_null(False).cast(pa.int64())).as_py()
-                                           or 0)
-
-        with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(fill, stats))
+                    stat.flags[flag] = int(scan.bools(t, flag).sum())
     return sorted(stats, key=lambda s: (s.mtime, s.name))
 
 
@@ -186,23 +170,23 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
     files = [(name, mtime, size) for name, size, mtime in storage.list_file_infos(hidden_dir, "", storage_config)]
     if not files and not run.get("hidden_states"):
         return None
-    done_prefix = "_done/"
-    markers = {n[len(done_prefix):-len(".json")]: n for n, _, _ in files
-               if n.startswith(done_prefix) and n.endswith(".json")}
+    markers: dict[str, dict[int | None, str]] = {}  # completion-shard stem: {--limit or None: marker name}
+    for name, _, _ in files:
+        parsed = layout.parse_marker_name(name)
+        if parsed is not None:
+            markers.setdefault(parsed[0], {})[parsed[1]] = name
     parts = [(n, size) for n, _, size in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
+    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
     rows_done, used = 0, []
     for shard in shards:
-        stem = shard.name[:-len(layout.SHARD_SUFFIX)].replace("/", "__")
-        if stem in markers:
+        found = markers.get(layout.hidden_state_stem(storage.join(completions_dir, shard.name), completions_dir), {})
+        if None in found:
             rows_done += shard.num_rows
-            used.append(markers[stem])
-            continue
-        limited = [(int(tag[len(stem) + 2:]), name) for tag, name in markers.items()
-                   if tag.startswith(stem + "-n") and tag[len(stem) + 2:].isdigit()]
-        if limited:
-            rows, name = max(limited)
-            rows_done += min(rows, shard.num_rows)
-            used.append(name)
+            used.append(found[None])
+        elif found:
+            limit = max(found)
+            rows_done += min(limit, shard.num_rows)
+            used.append(found[limit])
     rows_written = sum(s.num_rows for s in shards)
     out = {
         "status": run.get("hidden_states", {}).get("status", "running" if files else "not started"),
@@ -297,24 +281,6 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     }
 
 
-def _dur(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    if seconds >= 86400:
-        return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def format_status(st: dict) -> str:
     total = st["rows_total"]
     lines = [f"run      {st['run']}  (generate: {st['status']}, created {st['created_at'] or '?'}"
@@ -324,7 +290,7 @@ def format_status(st: dict) -> str:
                      f"{st['rows_remaining']:,} to go")
     else:
         lines.append(f"rows     {st['rows_done']:,} done (total unknown: run.json has no generate.input)")
-    shards = f"shards   {st['shards_done']:,} written ({_bytes(st['bytes_done'])})"
+    shards = f"shards   {st['shards_done']:,} written ({format_bytes(st['bytes_done'])})"
     if st["shards_remaining_approx"]:
         shards += f", ~{st['shards_remaining_approx']:,} to go at {st['rows_per_shard']} rows per shard"
     lines.append(shards)
@@ -334,10 +300,10 @@ def format_status(st: dict) -> str:
     recent, overall = st["rate_recent"], st["rate_overall"]
     if overall:
         rate = f"rate     {overall['output_tokens_per_s']:,.0f} output tok/s, {overall['rows_per_s']:,.2f} rows/s " \
-               f"avg over {_dur(overall['seconds'])} of generation"
+               f"avg over {format_duration(overall['seconds'])} of generation"
         if recent:
             rate += (f"; {recent['output_tokens_per_s']:,.0f} tok/s, {recent['rows_per_s']:,.2f} rows/s over the "
-                     f"last {_dur(st['rate_recent_window_s'])}")
+                     f"last {format_duration(st['rate_recent_window_s'])}")
         lines.append(rate)
     else:
         lines.append("rate     not enough shards yet to measure (needs two)")
@@ -345,14 +311,14 @@ def format_status(st: dict) -> str:
         lines.append("ETA      done")
     elif st["eta_s"] is not None:
         basis = "recent" if recent else "average"
-        lines.append(f"ETA      {_dur(st['eta_s'])} at the {basis} rate (~{st['eta_at']})")
+        lines.append(f"ETA      {format_duration(st['eta_s'])} at the {basis} rate (~{st['eta_at']})")
     if st["last_shard_age_s"] is not None:
         age = st["last_shard_age_s"]
         note = ""
         if st["rows_remaining"] and age > MIN_GAP_S:
             note = "  <- nothing written for a while: is the job still running? (`ray job status`, then rerun " \
                    "`generate` with the same --output to resume)"
-        lines.append(f"last     shard written {_dur(age)} ago{note}")
+        lines.append(f"last     shard written {format_duration(age)} ago{note}")
     if st["error_rate"] is not None:
         flags = " | ".join(f"{k} {v:.1%}" for k, v in st["flag_rates"].items())
         lines.append(f"quality  errors {st['error_rate']:.1%} | {flags}")
@@ -368,7 +334,8 @@ def format_status(st: dict) -> str:
     else:
         line = (f"stage 2  {hs['rows_done']:,} / {hs['rows_from_stage1']:,} rows done"
                 f" ({hs['completion_shards_done']:,} of {hs['completion_shards_done'] + hs['completion_shards_to_do']:,}"
-                f" completion shards), {hs['rows_to_do']:,} to do; {hs['parts']:,} parts ({_bytes(hs['bytes'])})")
+                f" completion shards), {hs['rows_to_do']:,} to do; {hs['parts']:,} parts"
+                f" ({format_bytes(hs['bytes'])})")
         if hs["samples"] is not None:
             line += f", {hs['samples']:,} samples, {hs['tokens']:,} tokens"
         lines.append(line + f"  [{hs['status']}]")

@@ -1,4 +1,4 @@
-"""The inspection helpers (job/inspect.py) and the notebook that uses them, against a real run: the project's own
+"""The inspection helpers (job/notebook.py) and the notebook that uses them, against a real run: the project's own
 stage 1 (real local Ray, real vLLM CPU build, the tiny model) then stage 2 (real transformers forward), made once
 for the module. A second run directory holds the same completions without stage 2, as a run looks before it.
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 from conftest import DEMO_CONFIG, REPO, read_run, simple_prompts, write_prompts
 
-from job import inspect as ji, layout
-from job import report, schema, storage
+from job import layout, notebook as ji
+from job import report, scan, schema, storage
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
 # `answer` is taken by the completion's own column (GSM8K-style data has one): carried as `input_answer`.
@@ -130,7 +130,7 @@ def test_read_rows_equals_full_read(run_dir, rows, table):
     assert rows.column_names == [*ji.ROW_COLUMNS, ji.SHARD]
     for name in ji.ROW_COLUMNS:
         assert rows.column(name).to_pylist() == table.column(name).to_pylist(), name
-    shards = report.completion_shards(run_dir)
+    shards = scan.completion_shards(run_dir)
     assert len(shards) == 3 and set(rows.column(ji.SHARD).to_pylist()) == set(shards)
     for row_id, uri in zip(rows.column(schema.ID).to_pylist()[::7], rows.column(ji.SHARD).to_pylist()[::7]):
         assert row_id in storage.read_shard(uri).column(schema.ID).to_pylist(), "shard column names the row's shard"

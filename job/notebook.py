@@ -2,7 +2,7 @@
 
     RUN_DIR=demo-run jupyter notebook notebooks/inspect_outputs.ipynb      # or s3://bucket/runs/x
 
-    from job import inspect as ji
+    from job import notebook as ji
     rows = ji.read_rows("demo-run")              # small per-row columns of every completion shard
     ji.plot_length_histograms(ji.token_lengths(rows))
     for row in ji.fetch_rows("demo-run", rows, ji.worst_rows(rows, "repetition", 3)):
@@ -12,10 +12,13 @@ Compute functions return plain data (dicts, lists, numpy arrays, pyarrow tables)
 data and return a matplotlib `Figure` built with the object API (no pyplot, no GUI backend: they render with Agg,
 headless, and a notebook displays them inline).
 
-Cost on a real run: `read_rows` fetches only the small columns of each shard (ranged reads: the Arrow IPC footer
-locates the buffers, token lists and texts stay in the bucket), ~16 columns × 4 bytes per row, a few hundred MB
-read for 1M rows. Texts are read only for the handful of rows shown (`fetch_rows` opens just their shards), and
-hidden states only for the first `max_samples` samples.
+Cost on a real run: `read_rows` fetches only the small columns of each shard (job/scan.py: ranged reads, token
+lists and texts stay in the bucket), ~16 columns × 4 bytes per row. Texts are read only for the handful of rows
+shown (`fetch_rows` opens just their shards), and hidden states only for the first `max_samples` samples.
+
+Over ~400 lines on purpose: it is the notebook's one namespace (`ji.<name>` in every cell), and each section is a
+compute function next to its `format_*`/`plot_*`; the reading lives in job/scan.py, the number formats in
+job/formatting.py.
 """
 
 from __future__ import annotations
@@ -24,24 +27,23 @@ import json
 import os
 import warnings
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from job import layout, schema, storage
-from job.report import completion_shards, error_kind
+from job import layout, scan, schema, storage
+from job.formatting import format_bytes
+from job.report import error_kind
 from job.runs import read_run_json
+from job.schema import BYTES_PER_TOKEN_EXTRA, hidden_state_bytes_per_token
 from job.storage import StorageConfig
 
 SHARD = "shard"
 """Column `read_rows` adds: the URI of the completion shard a row lives in (so its text can be fetched)."""
 
-ROW_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
-               schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, schema.TURN, schema.ORIGINAL_TURN_TOKENS,
-               *schema.QUALITY_FLAGS, schema.ERROR]
+ROW_COLUMNS = scan.SMALL_COLUMNS
 
 LENGTHS = {"prompt": schema.NUM_PROMPT_TOKENS, "reasoning": schema.NUM_REASONING_TOKENS,
            "answer": schema.NUM_ANSWER_TOKENS, "output": schema.NUM_OUTPUT_TOKENS}
@@ -57,9 +59,6 @@ SEVERITY = {
                                                                     "does to a model)"),
 }
 assert set(SEVERITY) == set(schema.QUALITY_FLAGS)
-
-BYTES_PER_TOKEN_EXTRA = 4 + 1  # input_ids (int32) + loss_mask (uint8) stored next to each token's features
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,36 +124,15 @@ def format_overview(ov: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Per-row small columns, read column by column
+# Per-row small columns
 # ---------------------------------------------------------------------------------------------------------------
-
 
 
 def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
               num_threads: int = 16) -> pa.Table:
     """The small columns of every completion shard (default ROW_COLUMNS), plus `shard`: its URI."""
-    columns = columns or ROW_COLUMNS
-    shards = completion_shards(run_uri, storage_config)
-    with ThreadPoolExecutor(num_threads) as pool:
-        tables = list(pool.map(lambda u: storage.read_shard_columns(u, columns, storage_config), shards))
-    tables = [t.select([c for c in columns if c in t.column_names])
-              .append_column(SHARD, pa.array([uri] * t.num_rows, pa.string())) for uri, t in zip(shards, tables)]
-    if not tables:  # no shard yet: the same columns, no rows
-        empty = schema.completion_schema().empty_table().select([c for c in columns if c in schema.COMPLETION_COLUMNS])
-        return empty.append_column(SHARD, pa.array([], pa.string()))
-    return pa.concat_tables(tables, promote_options="default")
-
-
-def _ok(rows: pa.Table) -> np.ndarray:
-    return ~rows.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
-
-
-def _ints(rows: pa.Table, name: str) -> np.ndarray:
-    return rows.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-def _bools(rows: pa.Table, name: str) -> np.ndarray:
-    return rows.column(name).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    return scan.read_columns(run_uri, columns or ROW_COLUMNS, storage_config, shard_column=SHARD,
+                             num_threads=num_threads)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,8 +196,8 @@ def format_counts(counts: dict, total: int | None = None) -> str:
 
 def token_lengths(rows: pa.Table) -> dict[str, np.ndarray]:
     """Tokens per non-error row: prompt, reasoning, answer, output."""
-    ok = _ok(rows)
-    return {name: _ints(rows, column)[ok] for name, column in LENGTHS.items()}
+    ok = scan.ok_rows(rows)
+    return {name: scan.ints(rows, column)[ok] for name, column in LENGTHS.items()}
 
 
 def turn_lengths(rows: pa.Table) -> list[dict]:
@@ -228,21 +206,21 @@ def turn_lengths(rows: pa.Table) -> list[dict]:
     without a turn (error rows, runs made before turns were recorded) are left out."""
     if schema.TURN not in rows.column_names:
         return []
-    ok = _ok(rows) & rows.column(schema.TURN).is_valid().to_numpy(zero_copy_only=False)
-    turns = _ints(rows, schema.TURN)
+    ok = scan.ok_rows(rows) & rows.column(schema.TURN).is_valid().to_numpy(zero_copy_only=False)
+    turns = scan.ints(rows, schema.TURN)
     original = rows.column(schema.ORIGINAL_TURN_TOKENS)
     has_original = original.is_valid().to_numpy(zero_copy_only=False)
-    original = _ints(rows, schema.ORIGINAL_TURN_TOKENS)
+    original = scan.ints(rows, schema.ORIGINAL_TURN_TOKENS)
     out = []
     for turn in sorted(set(turns[ok].tolist())):
         sel = ok & (turns == turn)
         with_original = sel & has_original
         out.append({"turn": turn, "rows": int(sel.sum()),
-                    "prompt_tokens": float(_ints(rows, schema.NUM_PROMPT_TOKENS)[sel].mean()),
-                    "output_tokens": float(_ints(rows, schema.NUM_OUTPUT_TOKENS)[sel].mean()),
+                    "prompt_tokens": float(scan.ints(rows, schema.NUM_PROMPT_TOKENS)[sel].mean()),
+                    "output_tokens": float(scan.ints(rows, schema.NUM_OUTPUT_TOKENS)[sel].mean()),
                     "rows_with_original": int(with_original.sum()),
                     "original_tokens": float(original[with_original].mean()) if with_original.any() else None,
-                    "flags": {flag: float(_bools(rows, flag)[sel].mean()) for flag in schema.QUALITY_FLAGS
+                    "flags": {flag: float(scan.bools(rows, flag)[sel].mean()) for flag in schema.QUALITY_FLAGS
                               if flag in rows.column_names}})
     return out
 
@@ -318,7 +296,7 @@ def plot_length_histograms(lengths: dict[str, np.ndarray], max_tokens: int | Non
 
 def pick_rows(rows: pa.Table, n: int = 3, seed: int = 0) -> list[str]:
     """`n` non-error row ids at random (the same ones for the same run and seed)."""
-    ids = np.array(rows.column(schema.ID).to_pylist(), dtype=object)[_ok(rows)]
+    ids = np.array(rows.column(schema.ID).to_pylist(), dtype=object)[scan.ok_rows(rows)]
     if len(ids) <= n:
         return list(ids)
     return [str(ids[i]) for i in sorted(np.random.default_rng(seed).choice(len(ids), n, replace=False))]
@@ -327,9 +305,9 @@ def pick_rows(rows: pa.Table, n: int = 3, seed: int = 0) -> list[str]:
 def worst_rows(rows: pa.Table, flag: str, n: int = 3) -> list[str]:
     """Ids of up to `n` non-error rows carrying `flag`, worst first by SEVERITY[flag] (ties: input order)."""
     column, largest_first, _ = SEVERITY[flag]
-    mask = _ok(rows) & _bools(rows, flag)
+    mask = scan.ok_rows(rows) & scan.bools(rows, flag)
     idx = np.flatnonzero(mask)
-    keys = _ints(rows, column)[idx]
+    keys = scan.ints(rows, column)[idx]
     order = np.argsort(-keys if largest_first else keys, kind="stable")
     ids = rows.column(schema.ID).to_pylist()
     return [ids[i] for i in idx[order][:n]]
@@ -413,7 +391,7 @@ def render_sample(row: dict, tokenizer=None, max_chars: int = 1200) -> str:
 
 
 def hidden_state_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    return storage.list_files(storage.join(run_uri, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
+    return [uri for uri, _ in scan.hidden_state_parts(run_uri, storage_config)]
 
 
 def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = None) -> dict | None:
@@ -432,7 +410,7 @@ def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = Non
     dtype, hidden = meta[schema.META_DTYPE].decode(), int(meta[schema.META_HIDDEN_SIZE])
     return {"model": meta[schema.META_MODEL].decode(), "layer_ids": layer_ids, "dtype": dtype, "hidden_size": hidden,
             "layer_convention": meta[schema.META_LAYER_CONVENTION].decode(), "num_shards": len(shards),
-            "bytes_per_token": len(layer_ids) * hidden * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA}
+            "bytes_per_token": hidden_state_bytes_per_token(len(layer_ids), hidden, dtype)}
 
 
 def summarize_hidden_states(run_uri: str, max_samples: int = 64, num_traces: int = 2,
@@ -596,48 +574,28 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
             layer_ids = resolve_layer_ids(hs_config.get("layer_ids", []), num_layers)
             dtype = hs_config.get("dtype", "bfloat16")
             layout = {"layer_ids": layer_ids, "hidden_size": hidden, "dtype": dtype,
-                      "bytes_per_token": len(layer_ids) * hidden * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA}
+                      "bytes_per_token": hidden_state_bytes_per_token(len(layer_ids), hidden, dtype)}
         except Exception:  # the model's config.json is not readable from here
             layout = None
-    ok = _ok(rows)
-    keep = ok.copy()
-    if not hs_config.get("keep_flagged", True):
-        for flag in schema.QUALITY_FLAGS:
-            keep &= ~_bools(rows, flag)
-    max_length = hs_config.get("max_length") or np.iinfo(np.int64).max
-    tokens = np.minimum(_ints(rows, schema.NUM_PROMPT_TOKENS) + _ints(rows, schema.NUM_OUTPUT_TOKENS), max_length)
     rows_done, rows_total = rows.num_rows, ov["rows_total"] or rows.num_rows
-    kept_tokens = int(tokens[keep].sum())
+    rows_kept, kept_tokens = scan.kept_tokens(rows, hs_config.get("keep_flagged", True),
+                                              hs_config.get("max_length") or None)
     tokens_per_row = kept_tokens / rows_done if rows_done else 0.0  # per input row: skipped rows count as 0
-    out = {"rows_done": rows_done, "rows_total": rows_total, "rows_kept": int(keep.sum()),
+    out = {"rows_done": rows_done, "rows_total": rows_total, "rows_kept": rows_kept,
            "tokens_kept_so_far": kept_tokens, "tokens_per_input_row": tokens_per_row,
            "projected_tokens": int(round(tokens_per_row * rows_total)), "layout": layout,
            "bytes_per_token": layout["bytes_per_token"] if layout else None,
            "projected_bytes": int(round(tokens_per_row * rows_total * layout["bytes_per_token"])) if layout else None,
            "stored_bytes": None, "stored_tokens": None, "stored_bytes_per_token": None,
            "stage2_estimate": ov["hidden_states_estimate"]}
-    shards = hidden_state_shards(run_uri, storage_config)
-    if shards:
-        fs, _ = storage.resolve(run_uri, storage_config)
-        infos = storage.with_retries(fs.get_file_info, [storage.resolve(u, storage_config)[1] for u in shards],
-                                     what=f"stat {run_uri}/hidden_states", storage=storage_config)
-        with ThreadPoolExecutor(16) as pool:
-            counts = list(pool.map(lambda u: storage.read_shard_columns(u, [schema.NUM_TOKENS], storage_config), shards))
-        out["stored_bytes"] = int(sum(i.size for i in infos))
+    parts = scan.hidden_state_parts(run_uri, storage_config)
+    if parts:
+        counts = scan.read_shard_tables([uri for uri, _ in parts], [schema.NUM_TOKENS], storage_config)
+        out["stored_bytes"] = sum(size for _, size in parts)
         out["stored_tokens"] = int(sum(pc.sum(t.column(schema.NUM_TOKENS)).as_py() or 0 for t in counts))
         if out["stored_tokens"]:
             out["stored_bytes_per_token"] = out["stored_bytes"] / out["stored_tokens"]
     return out
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError
 
 
 def format_projection(p: dict) -> str:
