@@ -42,6 +42,9 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from job.formatting import format_bytes
+
+
 # Qwen3.6-27B with the DFlash layer set [1, 16, 31, 46, 61]: 5 layers × hidden 5120 × 2 bytes (bf16).
 DEFAULT_HIDDEN_BYTES_PER_TOKEN = 5 * 5120 * 2
 # A completion shard stores each output token as an int32 id (4 B) and as text (~4 B of UTF-8 per token for
@@ -108,13 +111,6 @@ def estimate(p: PlanInputs) -> dict:
     }
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def format_plan(e: dict, measured: dict | None = None) -> str:
     p = e["inputs"]
     lines = []
@@ -129,13 +125,13 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
         f"time     {e['hours']:,.1f} hours ({e['hours'] / 24:,.1f} days), {e['gpu_hours']:,.0f} GPU-hours",
         f"cost     ${e['cost_usd']:,.0f} at ${p['usd_per_gpu_hour']:,.2f} per GPU-hour "
         f"(${e['usd_per_million_output_tokens']:,.3f} per million output tokens)",
-        f"storage  completions {_bytes(e['completion_bytes'])} ("
+        f"storage  completions {format_bytes(e['completion_bytes'])} ("
         + (f"{p['completion_bytes_per_prompt'] / 1e3:,.1f} KB per prompt, measured"
            if p["completion_bytes_per_prompt"] is not None else
            f"~{p['completion_bytes_per_token']:.1f} B per output token"
            + (f" + {PROMPT_ID_BYTES} B per prompt token" if p["prompt_tokens_per_prompt"] else ""))
         + ")",
-        f"         hidden states {_bytes(e['hidden_state_bytes'])} "
+        f"         hidden states {format_bytes(e['hidden_state_bytes'])} "
         f"({p['hidden_bytes_per_token']:,.0f} B per token over "
         + ("prompt + completion" if p["prompt_tokens_per_prompt"] else "the completion only; add "
            "--prompt-tokens-per-prompt to include the prompt")

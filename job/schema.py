@@ -124,6 +124,7 @@ BYTES_PER_TOKEN_EXTRA = 4 + 1
 def hidden_state_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
     return num_layers * hidden_size * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA
 
+
 # Schema metadata keys of hidden-state shards.
 META_MODEL = b"model"
 META_LAYER_IDS = b"layer_ids"
@@ -144,11 +145,6 @@ LAYER_CONVENTION = ("layer k = output of decoder layer k (0-based) = transformer
 LAYER_CONVENTION_BEFORE_NORM = ("layer k = output of decoder layer k (0-based) = transformers "
                                 "output_hidden_states[k + 1], except the last layer, which is the final decoder "
                                 "layer's output before the final norm; vLLM/speculators id = k + 1")
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-"""Bytes of one feature value by stored dtype."""
-BYTES_PER_TOKEN_EXTRA = 4 + 1
-"""input_ids (int32) + loss_mask (uint8), stored next to each token's features."""
 
 
 def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, dtype: str,

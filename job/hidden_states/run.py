@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow.ipc as ipc
 
-from job import layout, progress, runs, schema, stage, storage
+from job import layout, progress, runs, scan, schema, stage, storage
+from job.formatting import format_bytes
 from job.config import ConfigError, RunConfig, resolve_layer_ids
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
 from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
@@ -137,14 +138,7 @@ def _kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
     hs = config.hidden_states
     cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
     t = storage.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
-    keep = ~t.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
-    if not hs.keep_flagged:
-        for flag in schema.QUALITY_FLAGS:
-            if flag in t.column_names:
-                keep &= ~t.column(flag).fill_null(False).to_numpy(zero_copy_only=False)
-    n = sum(t.column(c).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-            for c in (schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS))
-    return int(keep.sum()), int(np.minimum(n, hs.max_length)[keep].sum())
+    return scan.kept_tokens(t, hs.keep_flagged, hs.max_length)  # the one rule of which rows are kept
 
 
 def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = None) -> dict:
@@ -157,21 +151,13 @@ def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = No
     with ThreadPoolExecutor(16) as pool:
         counts = list(pool.map(lambda u: _kept_tokens(u, config), units))
     feature_bytes = len(layer_ids) * hidden * schema.ITEMSIZE[hs.dtype]
-    per_token = feature_bytes + 4 + 1  # + input_ids (int32) + loss_mask (uint8)
+    per_token = schema.hidden_state_bytes_per_token(len(layer_ids), hidden, hs.dtype)
     tokens = sum(t for _, t in counts)
     pending = sum(t for u, (_, t) in zip(units, counts) if not u.done)
     return {"bytes_per_token": per_token, "feature_bytes_per_token": feature_bytes, "num_layers": len(layer_ids),
             "layer_ids": layer_ids, "hidden_size": hidden, "dtype": hs.dtype,
             "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
             "num_tokens_pending": pending, "pending_bytes": pending * per_token}
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError
 
 
 
@@ -240,9 +226,9 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         pending = [u for u in units if not u.done]
         estimate = estimate_storage(config, units)
         print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
-              f"{_human(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
-              f"{estimate['num_samples']:,} samples → {_human(estimate['total_bytes'])} in total, "
-              f"{_human(estimate['pending_bytes'])} still to write", flush=True)
+              f"{format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
+              f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
+              f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
         runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
                                             "status": "running" if pending else "complete"})
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
@@ -268,7 +254,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
               f"{len(units)} committed completion shards are done. Rerun `hidden-states` on this output when stage 1 "
               "has finished: it does only the shards added since.", flush=True)
     print(f"hidden states: {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens, "
-          f"{len(summary['shards'])} shards, {_human(summary['bytes'])}; this run: "
+          f"{len(summary['shards'])} shards, {format_bytes(summary['bytes'])}; this run: "
           f"{summary['num_tokens_extracted']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s, padding "
           f"{summary['padding_waste']:.1%} → {summary['report']}", flush=True)
     return summary
