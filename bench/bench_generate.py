@@ -86,13 +86,61 @@ def run_plain(config) -> dict:
             "rows": len(outs)}
 
 
+def log_engine_stats() -> None:
+    """Ray's worker_process_setup_hook (BENCH_ENGINE_STATS=1): every VLLM_LOG_STATS_INTERVAL seconds, the engine
+    actor calls its AsyncLLM's do_log_stats() and logs its own rows in flight. vLLM's LLM logs "Running: N reqs"
+    from its step loop by itself; an AsyncLLM only when its owner calls do_log_stats() (vLLM's API server runs
+    that loop; job/engine.py does not), so without this stage 1's log has no in-flight series to plot."""
+    import asyncio
+    import logging
+
+    from job.engine import CompletionGenerator
+
+    if getattr(CompletionGenerator, "_bench_stats", False):
+        return
+    interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "2"))
+    log = logging.getLogger("bench.engine_stats")
+    call = CompletionGenerator.__call__
+
+    async def loop(self):
+        while True:
+            await asyncio.sleep(interval)
+            log.info("rows in flight %d", self.num_in_flight)
+            await self.engine.do_log_stats()
+
+    async def __call__(self, batch):
+        if getattr(self, "_bench_stats_task", None) is None:
+            self._bench_stats_task = asyncio.get_running_loop().create_task(loop(self))
+        async for out in call(self, batch):
+            yield out
+
+    CompletionGenerator.__call__ = __call__
+    CompletionGenerator._bench_stats = True
+
+
 def run_stage1(config) -> dict:
     t0 = time.monotonic()
     from job.generate import run_generate
 
     config.quality.canary_rows = 0
+    if os.environ.get("BENCH_ENGINE_STATS") == "1":
+        # Start Ray here, as job.generate.ensure_ray would, plus the hook above in every worker (run_generate
+        # joins a Ray that is already up and leaves it running: ended below). Counted in the wall time, as there.
+        import ray
+
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False,
+                 runtime_env={"worker_process_setup_hook": "bench_generate.log_engine_stats",
+                              "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [
+                     str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}})
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
     summary = run_generate(config)
     t1 = time.monotonic()
+    if os.environ.get("BENCH_ENGINE_STATS") == "1":
+        import ray
+
+        ray.shutdown()
     return {"wall_s": t1 - t0, "generation_s": summary.generation_seconds, "output_tokens": summary.num_output_tokens,
             "rows": summary.num_rows}
 
@@ -213,7 +261,8 @@ def main() -> None:
         r = results[which]
         r["tok_per_s_window"] = r["output_tokens"] / r["generation_s"] if r.get("generation_s") else None
         print(which, json.dumps(r), flush=True)
-    plain = results.get("plain")
+    by_name = {which.split("+")[0]: r for which, r in results.items()}  # 'plain+generate.x=1' is still plain
+    plain = by_name.get("plain")
     print("\n| contender | rows | output tokens | wall s | generation window s | tok/s (window) | wall vs plain |")
     print("|---|---|---|---|---|---|---|")
     for which, r in results.items():
@@ -221,8 +270,8 @@ def main() -> None:
         win = f"{r['generation_s']:.1f}" if r.get("generation_s") else "-"
         tps = f"{r['tok_per_s_window']:,.0f}" if r.get("tok_per_s_window") else "-"
         print(f"| {which} | {r['rows']} | {r['output_tokens']:,} | {r['wall_s']:.1f} | {win} | {tps} | {ratio} |")
-    if plain and "stage1" in results:
-        s = results["stage1"]
+    if plain and "stage1" in by_name:
+        s = by_name["stage1"]
         print(f"\nstage1 window throughput / plain: {s['tok_per_s_window'] / plain['tok_per_s_window']:.2f}; "
               f"end to end (plain wall incl. engine start / stage1 wall): {plain['wall_s'] / s['wall_s']:.2f}")
 

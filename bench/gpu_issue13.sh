@@ -17,21 +17,28 @@ stage2)
     | tee $OUT/hybrid_stage2.log | grep -v "^ " | tail -8
   ;;
 warm)
-  # The engine's first start on a machine compiles (torch.compile, Triton autotuning; >200 s for this shape): do it
-  # once with no limit, in the same call as the install, so every measured contender after it starts warm.
+  # The engine's first start on a machine compiles (torch.compile, Triton autotuning; 313.9 s for this shape on an
+  # H200): do it once with no limit, so every measured contender after it starts warm. Stage 1 too: the compile
+  # cache is keyed per engine config, and an AsyncLLM gets max_num_batched_tokens 2048 where LLM gets 16384 (stage 1
+  # then compiled ~46 s in its measured run), and only stage 1's per-request seeds use vLLM's Triton top-k/top-p
+  # kernel (its first compile stalled the 128-prompt run ~9 s, docs/BENCHMARKS.md). 64 tokens: past one decode step.
   export VLLM_LOGGING_LEVEL=INFO
   timeout 560 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts 32 \
-    --only "plain+generate.sampling.max_tokens=16" --logs $OUT/logs 2>&1 | tee $OUT/warm.log | grep -v "^INFO\|^(\|^\[" | tail -12
+    --only "plain+generate.sampling.max_tokens=16" "stage1+generate.sampling.max_tokens=64" --logs $OUT/logs 2>&1 \
+    | tee $OUT/warm.log | grep -v "^INFO\|^(\|^\[" | tail -12
   ;;
 stage1)
   # The three contenders in one call, each in its own process on the warm compile cache (run `warm` first).
-  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
+  # BENCH_ENGINE_STATS=1: stage 1's AsyncLLM logs "Running: N reqs" too (an AsyncLLM logs stats only when its
+  # owner calls do_log_stats(); bench_generate.py's worker hook does), so bench/plot_in_flight.py draws both:
+  #   python3 bench/plot_in_flight.py plain=$OUT/logs/0-plain.log stage1=$OUT/logs/1-stage1.log --out in_flight.png
+  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2 BENCH_ENGINE_STATS=1
   timeout 580 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-256} \
     --only ${ONLY:-plain stage1 raydata} --timeout ${CT:-185} --logs $OUT/logs 2>&1 \
     | tee $OUT/stage1.log | grep -v "^INFO\|^(\|^\[" | tail -20
   ;;
 sweep)
-  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2
+  export VLLM_LOGGING_LEVEL=INFO VLLM_LOG_STATS_INTERVAL=2 BENCH_ENGINE_STATS=1
   timeout 580 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-256} \
     --only ${SWEEP:-"stage1+engine_kwargs.max_num_seqs=256" "stage1+engine_kwargs.max_num_seqs=64" "stage1+engine_kwargs.enable_prefix_caching=true"} \
     --timeout ${CT:-185} --logs $OUT/logs 2>&1 | tee $OUT/sweep.log | grep -v "^INFO\|^(\|^\[" | tail -20
