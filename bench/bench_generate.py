@@ -90,11 +90,11 @@ def log_engine_stats() -> None:
     """Ray's worker_process_setup_hook (BENCH_ENGINE_STATS=1): every VLLM_LOG_STATS_INTERVAL seconds, the engine
     actor calls its AsyncLLM's do_log_stats() and logs its own rows in flight. vLLM's LLM logs "Running: N reqs"
     from its step loop by itself; an AsyncLLM only when its owner calls do_log_stats() (vLLM's API server runs
-    that loop; job/engine.py does not), so without this stage 1's log has no in-flight series to plot."""
+    that loop; job/generate/engine.py does not), so without this stage 1's log has no in-flight series to plot."""
     import asyncio
     import logging
 
-    from job.engine import CompletionGenerator
+    from job.generate.engine import CompletionGenerator
 
     if getattr(CompletionGenerator, "_bench_stats", False):
         return
