@@ -19,7 +19,7 @@ from datetime import datetime
 
 STATS = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d) \[loggers\.py:\d+\].*Running: (\d+) reqs, Waiting: (\d+) reqs")
 START = (re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d) \[core\.py:\d+\] init engine"),
-         re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ job\.engine engine ready"))
+         re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ job\.(?:generate\.)?engine engine ready"))
 # Stage 1's own stats line (BENCH_ENGINE_STATS=1): rows its admission gate has in the engine.
 ROWS = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ bench\.engine_stats rows in flight (\d+)")
 
