@@ -39,7 +39,6 @@ win over measured values. The format is checked by tests/test_plan.py on bench/r
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass
 
 from job.formatting import format_bytes
@@ -267,14 +266,3 @@ def plan_from_flags(args, storage_config=None) -> tuple[dict, dict | None]:
     )
     measured = {**(run or {}), "bench": bench} if run or bench else None
     return estimate(inputs), measured
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m job plan ARGS` (kept for callers of `plan.main`); the parser lives in job/cli.py."""
-    from job.cli import main as cli_main
-
-    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

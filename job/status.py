@@ -16,7 +16,6 @@ What it reads:
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -346,14 +345,3 @@ def format_status(st: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m job status ARGS` (kept for callers of `status.main`); the parser lives in job/cli.py."""
-    from job.cli import main as cli_main
-
-    return cli_main(["status", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

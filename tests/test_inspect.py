@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import DEMO_CONFIG, REPO, read_run, simple_prompts, write_prompts
 
-from job import layout, notebook as ji
+from job import cli, layout, notebook as ji
 from job import report, scan, schema, storage
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
@@ -338,12 +338,12 @@ def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys
     assert hs["completion_shards_done"] == 3 and hs["completion_shards_to_do"] == 0 and hs["parts"] >= 3
     assert hs["samples"] == len(ok)
     assert hs["tokens"] == sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
-    assert status.main([run_dir]) == 0
+    assert cli.main(["status", run_dir]) == 0
     assert f"stage 2  {NUM_ROWS} / {NUM_ROWS} rows done (3 of 3 completion shards), 0 to do" in capsys.readouterr().out
 
     # Before stage 2: said so, in the same place.
     assert status.build_status(stage1_dir)["hidden_states"] is None
-    assert status.main([stage1_dir]) == 0
+    assert cli.main(["status", stage1_dir]) == 0
     assert "stage 2  not started" in capsys.readouterr().out
 
     # A stage 2 cut short: one completion shard's marker missing (its parts may be there) → its rows are to do.

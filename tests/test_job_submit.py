@@ -157,11 +157,12 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     assert sorted(ids) == [f"demo-{i:05d}" for i in range(NUM_ROWS)]
 
     # `status` and `plan --from` read the finished run directory alone.
-    from job import plan, status
+    from job import cli, status
 
     st = status.build_status(output)
     assert st["rows_done"] == NUM_ROWS and st["rows_remaining"] == 0 and st["output_tokens"] > 0
-    assert plan.main(["--from", output, "--prompts", "914000", "--gpus", "8", "--usd-per-gpu-hour", "3.81"]) == 0
+    assert cli.main(["plan", "--from", output, "--prompts", "914000", "--gpus", "8", "--usd-per-gpu-hour",
+                     "3.81"]) == 0
 
     # The progress figures reached Ray's Prometheus endpoint (exported from the driver via ray.util.metrics,
     # scraped every 2 s while the job ran; the driver's heartbeat sets them during the ~30 s of engine start-up).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from job import plan
+from job import cli, plan
 from job.plan import PlanInputs, estimate
 from test_status import steady_shards, write_run
 
@@ -30,14 +30,14 @@ def test_reproduces_the_real_run():
 
 
 def test_cli_prints_hours_cost_and_storage(capsys):
-    assert plan.main(REAL_RUN) == 0
+    assert cli.main(["plan", *REAL_RUN]) == 0
     out = capsys.readouterr().out
     assert "45.3 hours" in out and "$1,209" in out and "$0.529 per million output tokens" in out
     assert "completions 11.4 GB" in out and "hidden states 117.0 TB" in out
 
 
 def test_cli_json_and_prompt_tokens(capsys):
-    assert plan.main([*REAL_RUN, "--prompt-tokens-per-prompt", "500", "--hidden-bytes-per-token", "1000",
+    assert cli.main(["plan", *REAL_RUN, "--prompt-tokens-per-prompt", "500", "--hidden-bytes-per-token", "1000",
                       "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
     assert e["hidden_state_bytes"] == pytest.approx(914_000 * 3000 * 1000)  # prompt + completion tokens
@@ -45,11 +45,11 @@ def test_cli_json_and_prompt_tokens(capsys):
 
 
 def test_missing_or_bad_inputs_name_the_flag(capsys):
-    assert plan.main(["--prompts", "10", "--gpus", "1"]) == 2
+    assert cli.main(["plan", "--prompts", "10", "--gpus", "1"]) == 2
     assert "--tokens-per-prompt" in capsys.readouterr().err
-    assert plan.main([*REAL_RUN[:-2], "--usd-per-gpu-hour", "-1"]) == 2
+    assert cli.main(["plan", *REAL_RUN[:-2], "--usd-per-gpu-hour", "-1"]) == 2
     assert "usd_per_gpu_hour" in capsys.readouterr().err
-    assert plan.main(["--gpus", "0", *REAL_RUN[:4], *REAL_RUN[6:]]) == 2
+    assert cli.main(["plan", "--gpus", "0", *REAL_RUN[:4], *REAL_RUN[6:]]) == 2
 
 
 def test_from_a_run_with_recorded_throughput(tmp_path, capsys):
@@ -63,7 +63,7 @@ def test_from_a_run_with_recorded_throughput(tmp_path, capsys):
     assert m["output_tokens_per_s_per_gpu"] == 2000 and m["num_gpus"] == 2
     assert m["completion_bytes_per_prompt"] > 0
     # Plan the full run from the canary: only the prompts, GPUs and price are new.
-    assert plan.main(["--from", run, "--prompts", "914000", "--gpus", "7", "--usd-per-gpu-hour", "3.81",
+    assert cli.main(["plan", "--from", run, "--prompts", "914000", "--gpus", "7", "--usd-per-gpu-hour", "3.81",
                       "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
     assert e["inputs"]["output_tokens_per_prompt"] == 250
@@ -76,15 +76,15 @@ def test_from_a_run_measured_by_shard_timestamps(tmp_path, capsys):
     run = str(tmp_path / "running")
     write_run(run, steady_shards(10, tokens=100, every_s=10.0), total_rows=1000)  # 40 tok/s, as in test_status
     # No GPU count in run.json: the user must say how many GPUs the measured run had.
-    assert plan.main(["--from", run, "--usd-per-gpu-hour", "2"]) == 2
+    assert cli.main(["plan", "--from", run, "--usd-per-gpu-hour", "2"]) == 2
     assert "--from-gpus" in capsys.readouterr().err
-    assert plan.main(["--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--json"]) == 0
+    assert cli.main(["plan", "--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--json"]) == 0
     e = json.loads(capsys.readouterr().out)
     assert e["inputs"]["output_tokens_per_s_per_gpu"] == pytest.approx(20.0)
     assert e["inputs"]["num_prompts"] == 1000  # the run's own total
     assert e["inputs"]["num_gpus"] == 2
     # Explicit flags win over measured values.
-    assert plan.main(["--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--tokens-per-prompt", "7",
+    assert cli.main(["plan", "--from", run, "--from-gpus", "2", "--usd-per-gpu-hour", "2", "--tokens-per-prompt", "7",
                       "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["output_tokens_per_prompt"] == 7
 
@@ -92,7 +92,7 @@ def test_from_a_run_measured_by_shard_timestamps(tmp_path, capsys):
 def test_from_a_run_without_rows(tmp_path, capsys):
     run = str(tmp_path / "empty")
     write_run(run, [], total_rows=10)
-    assert plan.main(["--from", run, *REAL_RUN[2:]]) == 2
+    assert cli.main(["plan", "--from", run, *REAL_RUN[2:]]) == 2
     assert "no completion rows yet" in capsys.readouterr().err
 
 
@@ -103,19 +103,19 @@ def test_from_bench_file(capsys):
     """The committed H200 result: its tok/s per GPU replaces the seed's 2,000; everything else is the same plan, so
     GPU-hours shrink by exactly 2,000 / 3,562 and the line says where the figure came from."""
     seed = ["--prompts", "914000", "--tokens-per-prompt", "2500", "--gpus", "8", "--usd-per-gpu-hour", "3.81"]
-    assert plan.main([*seed, "--tokens-per-s-per-gpu", "2000", "--json"]) == 0
+    assert cli.main(["plan", *seed, "--tokens-per-s-per-gpu", "2000", "--json"]) == 0
     guessed = json.loads(capsys.readouterr().out)
-    assert plan.main([*seed, "--from-bench", H200_BENCH, "--json"]) == 0
+    assert cli.main(["plan", *seed, "--from-bench", H200_BENCH, "--json"]) == 0
     benched = json.loads(capsys.readouterr().out)
     assert benched["inputs"]["output_tokens_per_s_per_gpu"] == 3562
     assert benched["gpu_hours"] == pytest.approx(guessed["gpu_hours"] * 2000 / 3562)
     assert benched["gpu_hours"] == pytest.approx(914_000 * 2500 / 3562 / 3600)
     assert benched["measured"]["bench"]["bench"] == H200_BENCH
-    assert plan.main([*seed, "--from-bench", H200_BENCH]) == 0
+    assert cli.main(["plan", *seed, "--from-bench", H200_BENCH]) == 0
     out = capsys.readouterr().out
     assert f"benchmark {H200_BENCH}: 3,562 tok/s per GPU" in out and "8 GPUs × 3,562 tok/s per GPU" in out
     # An explicit flag still wins.
-    assert plan.main([*seed, "--from-bench", H200_BENCH, "--tokens-per-s-per-gpu", "1000", "--json"]) == 0
+    assert cli.main(["plan", *seed, "--from-bench", H200_BENCH, "--tokens-per-s-per-gpu", "1000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["output_tokens_per_s_per_gpu"] == 1000
 
 
@@ -128,7 +128,7 @@ def test_from_bench_accepts_bench_generate_results_and_refuses_others(tmp_path, 
     for content, expected in (({"gpu": "H200"}, "has none of tokens_per_s_per_gpu"), ([1, 2], "a JSON object"),
                               ("{not json", "not JSON")):
         raw.write_text(content if isinstance(content, str) else json.dumps(content))
-        assert plan.main([*REAL_RUN[:6], "--usd-per-gpu-hour", "1", "--from-bench", str(raw)]) == 2
+        assert cli.main(["plan", *REAL_RUN[:6], "--usd-per-gpu-hour", "1", "--from-bench", str(raw)]) == 2
         assert expected in capsys.readouterr().err
-    assert plan.main([*REAL_RUN, "--from-bench", str(tmp_path / "missing.json")]) == 2
+    assert cli.main(["plan", *REAL_RUN, "--from-bench", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from job import layout, schema, status, storage
+from job import cli, layout, schema, status, storage
 from job.layout import CompletionUnit
 from job.storage import StorageConfig
 
@@ -127,17 +127,17 @@ def test_run_without_shards_and_not_a_run(tmp_path, capsys):
     st = status.build_status(run)
     assert st["rows_done"] == 0 and st["rows_remaining"] == 100 and st["rate_overall"] is None
     assert "not enough shards" in status.format_status(st)
-    assert status.main([str(tmp_path / "nothing-here")]) == 2
+    assert cli.main(["status", str(tmp_path / "nothing-here")]) == 2
     assert "not a run directory" in capsys.readouterr().err
 
 
 def test_cli_names_only_and_json(tmp_path, capsys):
     run = str(tmp_path / "run")
     write_run(run, steady_shards(3), total_rows=12)
-    assert status.main([run, "--names-only"]) == 0
+    assert cli.main(["status", run, "--names-only"]) == 0
     out = capsys.readouterr().out
     assert "12 / 12 done" in out and "tokens" not in out  # shards were not opened
-    assert status.main([run, "--json"]) == 0
+    assert cli.main(["status", run, "--json"]) == 0
     import json
 
     assert json.loads(capsys.readouterr().out)["output_tokens"] == 1200
@@ -159,7 +159,7 @@ def test_status_on_s3(moto_s3):
 def test_unreachable_or_mistyped_s3_is_one_line_at_once(moto_s3, capsys, monkeypatch):
     """A bucket that does not exist, a host that does not resolve, an endpoint nobody listens on: one line, no
     traceback, no minute of retries, for `status`, `plan --from` and `report`."""
-    from job import cli, plan
+    from job import cli
     from job.storage import StorageError, check_reachable
 
     closed_port = free_port()  # nothing listens there
@@ -169,14 +169,14 @@ def test_unreachable_or_mistyped_s3_is_one_line_at_once(moto_s3, capsys, monkeyp
              (["s3://runs/x", "--endpoint-url", f"http://127.0.0.1:{closed_port}"], "cannot connect to the endpoint")]
     for argv, expected in cases:
         started = time.monotonic()
-        assert status.main(argv) == 2
+        assert cli.main(["status", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expected in err and len(err.strip().splitlines()) == 1, err
         assert time.monotonic() - started < 15, "refused at once, not after the retries"
 
     # The other read-side commands go through the same first contact (run.json), with the endpoint from the env.
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
-    assert plan.main(["--from", "s3://no-such-bucket/runs/x", "--prompts", "10", "--gpus", "1"]) == 2
+    assert cli.main(["plan", "--from", "s3://no-such-bucket/runs/x", "--prompts", "10", "--gpus", "1"]) == 2
     assert "bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
     assert cli.main(["report", "s3://no-such-bucket/runs/x"]) == 2
     assert "bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
@@ -184,7 +184,7 @@ def test_unreachable_or_mistyped_s3_is_one_line_at_once(moto_s3, capsys, monkeyp
     check_reachable("s3://runs/x", StorageConfig(endpoint_url=moto_s3))
     with pytest.raises(StorageError, match="does not exist"):
         check_reachable("s3://nope/x", StorageConfig(endpoint_url=moto_s3))
-    assert status.main(["s3://runs/x", "--endpoint-url", moto_s3]) == 2
+    assert cli.main(["status", "s3://runs/x", "--endpoint-url", moto_s3]) == 2
     assert "not a run directory" in capsys.readouterr().err
 
 

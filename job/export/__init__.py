@@ -35,8 +35,8 @@ norm (its trainer feeds it to the target's LM head): the default. An export whos
 Every export writes `export.json` (conventions, layer ids in the trainer's terms, counts, dropped by reason),
 `samples.jsonl` (trainer index → our id) and `dropped.jsonl` (id, reason) beside the trainer's files.
 
-Modules: samples.py (layer plan, one sample's tensors, drops, vocabulary statistics), files.py (`export`: files
-and the bookkeeping beside them), conversations.py (SpecForge's conversations JSONL), stream.py (`stream`).
+Modules: samples.py (layer plan, one sample's tensors, drops, vocabulary statistics, the bookkeeping files),
+files.py (`export`: the trainers' files), conversations.py (SpecForge's conversations JSONL), stream.py (`stream`).
 """
 
 from job.export.conversations import export_conversations

@@ -6,8 +6,7 @@ import json
 
 
 from job import layout, schema, storage
-from job.export.files import _finish, _write_lines
-from job.export.samples import ExportError
+from job.export.samples import ExportError, finish_export, write_lines
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,9 +135,9 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
                 kept.append(row[schema.ID])
                 yield json.dumps(out, ensure_ascii=False)
 
-    _write_lines(storage.join(output, "conversations.jsonl"), lines(), storage_config)
+    write_lines(storage.join(output, "conversations.jsonl"), lines(), storage_config)
     assert len(kept) + len(dropped) == num_rows, (len(kept), len(dropped), num_rows)
-    summary = _finish(run, output, "specforge", "conversations", kept, dropped, storage_config,
+    summary = finish_export(run, output, "specforge", "conversations", kept, dropped, storage_config,
                       {"num_input_rows": num_rows, "thinking": thinking,
                        "validation": "scripts/validate_regenerated_data.py --strict-think-markers "
                                      + ("--expect-reasoning" if thinking else "--expect-non-reasoning")})

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from collections import Counter
 from typing import Iterator
 
@@ -13,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 
 from job import layout, schema, storage
-from job.export.samples import DROPPED_JSONL, EXPORT_JSON, SAMPLES_JSONL
-from job.export.samples import (ExportError, FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB,
-                                TRAINER_FILE, count_tokens, drop_reason, make_plan, specforge_vocab_mapping,
-                                trainer_sample)
+from job.export.conversations import export_conversations
+from job.export.samples import (FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB, TRAINER_FILE,
+                                ExportError, count_tokens, drop_reason, finish_export, make_plan,
+                                specforge_vocab_mapping, trainer_sample)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -37,25 +35,6 @@ def _torch_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def _write_lines(uri: str, lines: Iterator[str], storage_config) -> int:
-    """Stream text lines to `uri` (local: a temp file renamed at the end; S3: a multipart upload completed on
-    close), so a large JSONL never sits in memory. Returns the number of lines."""
-    fs, path = storage.resolve(uri, storage_config)
-    local = not storage.is_s3(uri)
-    target = path
-    if local:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        target = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    n = 0
-    with fs.open_output_stream(target) as out:
-        for line in lines:
-            out.write(line.encode() + b"\n")
-            n += 1
-    if local:
-        os.replace(target, path)
-    return n
 
 
 def _hf_features(columns: dict[str, str]) -> dict:
@@ -163,8 +142,6 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     if output.rstrip("/") == run.rstrip("/") or inside:
         raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
     if to == "specforge" and format == "conversations":
-        from job.export.conversations import export_conversations  # it writes through this module's helpers
-
         return export_conversations(run, output=output, storage_config=storage_config)
     shard_uris = storage.list_files(storage.join(run, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
     if not shard_uris:
@@ -237,7 +214,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         storage.write_bytes_atomic(storage.join(output, "token_freq.pt"), _torch_bytes(dict(counter)),
                                    storage_config)
         _write_speculators_dataset(output, arrow_files, _fingerprint(kept), storage_config)
-    return _finish(run, output, plan.to, plan.format, kept, dropped, storage_config,
+    return finish_export(run, output, plan.to, plan.format, kept, dropped, storage_config,
                    {"num_tokens": num_tokens, "layers": plan.conventions(), "model": model, **plan.notes})
 
 
@@ -255,15 +232,3 @@ def _vocab_size(model: str) -> int:
     except (OSError, ValueError) as e:
         raise ExportError(f"export: cannot read the vocabulary size of {model!r} ({e}); pass --target-vocab-size") \
             from None
-
-
-def _finish(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], storage_config,
-            extra: dict) -> dict:
-    _write_lines(storage.join(output, SAMPLES_JSONL),
-                 (json.dumps({"index": i, "id": sid}) for i, sid in enumerate(kept)), storage_config)
-    _write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
-                 storage_config)
-    summary = {"run": run, "output": output, "to": to, "format": format, "num_samples": len(kept),
-               "num_dropped": len(dropped), "dropped_by_reason": dict(Counter(d["reason"] for d in dropped)), **extra}
-    storage.write_json(storage.join(output, EXPORT_JSON), summary, storage_config)
-    return summary

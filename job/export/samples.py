@@ -1,14 +1,19 @@
 """One sample, our record → the trainer's tensors (shared by files and the stream): which stored layers go where
-(`Plan`), which samples a trainer drops, and the vocabulary statistics exactly as the trainers compute them."""
+(`Plan`), which samples a trainer drops, the vocabulary statistics exactly as the trainers compute them, and the
+bookkeeping every export writes beside the trainer's files (samples.jsonl, dropped.jsonl, export.json)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
-from job import schema
+from job import schema, storage
 from job.config import ConfigError
 
 
@@ -184,3 +189,39 @@ def specforge_vocab_mapping(token_dict: Counter, draft_vocab_size: int, target_v
     d2t = torch.tensor([used[i] - i for i in range(len(used))])
     t2d = torch.tensor([i in used_set for i in range(target_vocab_size)])
     return d2t, t2d
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bookkeeping beside every export: samples.jsonl (trainer index → our id), dropped.jsonl, export.json
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_lines(uri: str, lines: Iterator[str], storage_config) -> int:
+    """Stream text lines to `uri` (local: a temp file renamed at the end; S3: a multipart upload completed on
+    close), so a large JSONL never sits in memory. Returns the number of lines."""
+    fs, path = storage.resolve(uri, storage_config)
+    local = not storage.is_s3(uri)
+    target = path
+    if local:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        target = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    n = 0
+    with fs.open_output_stream(target) as out:
+        for line in lines:
+            out.write(line.encode() + b"\n")
+            n += 1
+    if local:
+        os.replace(target, path)
+    return n
+
+
+def finish_export(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], storage_config,
+            extra: dict) -> dict:
+    write_lines(storage.join(output, SAMPLES_JSONL),
+                 (json.dumps({"index": i, "id": sid}) for i, sid in enumerate(kept)), storage_config)
+    write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
+                 storage_config)
+    summary = {"run": run, "output": output, "to": to, "format": format, "num_samples": len(kept),
+               "num_dropped": len(dropped), "dropped_by_reason": dict(Counter(d["reason"] for d in dropped)), **extra}
+    storage.write_json(storage.join(output, EXPORT_JSON), summary, storage_config)
+    return summary

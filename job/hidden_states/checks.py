@@ -115,7 +115,8 @@ def pick_samples(samples: list[Sample], num: int, batch_tokens: int) -> list[Sam
     return sorted(picked, key=lambda s: (-s.num_tokens, s.row))
 
 
-def reference_features(model, samples: list[Sample], layer_ids: list[int], last_layer_before_norm: bool = False) -> list:
+def reference_features(model, samples: list[Sample], layer_ids: list[int],
+                       last_layer_before_norm: bool = False) -> list:
     """float32 CPU tensors [num_tokens, num_layers, hidden], one per sample: `output_hidden_states[k + 1]` of a plain
     transformers forward of the sample alone (no padding, no packing, no hooks of ours). With
     `last_layer_before_norm`, the last layer is instead the output of the final decoder layer itself (before the

@@ -382,6 +382,7 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
         stored.append(record[schema.HIDDEN_STATES].clone())
     model = load_model(config.model, dtype=dtype)
     reference = reference_features(model, samples, layer_ids, before_norm)
-    summary = verdict(compare(samples, stored, reference, layer_ids), tolerance_for(dtype, config.hidden_states.check_tolerance),
+    tolerance = tolerance_for(dtype, config.hidden_states.check_tolerance)
+    summary = verdict(compare(samples, stored, reference, layer_ids), tolerance,
                       f"stored shards of {config.output}")
     return {**summary, "shards": uris}
