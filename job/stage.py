@@ -78,8 +78,9 @@ class ActorStage:
     constructor_kwargs: dict
     min_actors: int
     max_actors: int
-    units_per_actor: int = 1
-    """Units one actor runs at once (its `max_concurrency`): an engine keeps itself full from several units."""
+    units_per_actor: int | None = None
+    """Units one actor holds and runs at once (its `max_concurrency` and Ray Data's tasks in flight per actor): an
+    engine keeps itself full from several units. None: Ray Data's defaults (one at a time, a few queued)."""
     gpus_per_actor: float = 0
     max_retries: int = 3
     """Restarts of a dead actor and retries of its units; -1: forever (an engine that dies with its node)."""
@@ -97,9 +98,9 @@ def map_units(units: list, stage: ActorStage):
         # this. Its default, 1.75, assumes actors queue 4 tasks but run 1; ours run all they hold, so the pool is
         # at most 1.0 busy: "every actor full" must be the trigger, or no actor is ever added.
         ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
-    # Several units at once: the actor takes as many as it runs (Ray Data's default queue is for one at a time).
-    per_actor = {"max_concurrency": stage.units_per_actor} if stage.units_per_actor > 1 else {}
-    in_flight = {"max_tasks_in_flight_per_actor": stage.units_per_actor} if stage.units_per_actor > 1 else {}
+    # An actor that runs several units at once is handed exactly as many as it runs.
+    per_actor = {"max_concurrency": stage.units_per_actor} if stage.units_per_actor else {}
+    in_flight = {"max_tasks_in_flight_per_actor": stage.units_per_actor} if stage.units_per_actor else {}
     ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
     return ds.map_batches(
         stage.actor,
