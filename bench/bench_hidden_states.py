@@ -239,25 +239,51 @@ def vllm_check(args) -> dict:
     else:
         from transformers import Qwen3Config
 
-        path = "/tmp/bench-model-" + args.shape
-        Qwen3Config(**SHAPES[args.shape], max_position_embeddings=40960, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
-                    dtype="bfloat16").save_pretrained(path)
-        samples = make_samples(args.num_samples, SHAPES[args.shape]["vocab_size"], 0, args.min_len, args.max_len)
+        engine_kwargs = {"load_format": "dummy", "enforce_eager": args.vllm_eager,
+                         "gpu_memory_utilization": 0.85, "max_num_seqs": 256}
+        if args.dummy_dir:  # e.g. bench/dummy_model.py's 27B hybrid directory (Qwen3_5ForConditionalGeneration)
+            path, shape = args.dummy_dir, os.path.basename(args.dummy_dir.rstrip("/"))
+            engine_kwargs.update(language_model_only=True, additional_config={"gdn_prefill_backend": "triton"},
+                                 max_num_seqs=64)  # prefill only: 16384 tokens a step hold ~10 such samples
+            from transformers import AutoConfig
+            vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+        else:
+            path, shape, vocab = "/tmp/bench-model-" + args.shape, args.shape, SHAPES[args.shape]["vocab_size"]
+            Qwen3Config(**SHAPES[args.shape], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+                        dtype="bfloat16").save_pretrained(path)
+        samples = make_samples(args.num_samples, vocab, 0, args.min_len, args.max_len)
         tokens = sum(s.num_tokens for s in samples)
         started = time.perf_counter()
-        vx = VllmExtractor(path, layer_ids=layer_ids, max_length=args.max_len,
-                           engine_kwargs={"load_format": "dummy", "enforce_eager": args.vllm_eager,
-                                          "gpu_memory_utilization": 0.85, "max_num_seqs": 256})
+        vx = VllmExtractor(path, layer_ids=layer_ids, max_length=args.max_len, engine_kwargs=engine_kwargs)
         result["engine_start_s"] = time.perf_counter() - started
-        hs_schema = schema.hidden_states_schema(model=args.shape, layer_ids=vx.layer_ids, hidden_size=vx.hidden_size,
-                                         dtype="bfloat16")
+        hs_schema = schema.hidden_states_schema(model=shape, layer_ids=vx.layer_ids, hidden_size=vx.hidden_size,
+                                                dtype="bfloat16")
         parts = plan_parts(samples, args.rows_per_shard)
         extract(vx, plan_parts(samples[:16], 16), hs_schema, None)  # warm-up
-        seconds, nbytes, blocked = extract(vx, parts, hs_schema, None)
-        result.update(shape=args.shape, enforce_eager=args.vllm_eager, num_tokens=tokens, extract_s=seconds,
-                      tokens_per_s=tokens / seconds, ipc_bytes=nbytes, writer_blocked_s=blocked,
+        result.update(shape=shape, enforce_eager=args.vllm_eager, num_tokens=tokens,
                       rows_per_part=args.rows_per_shard)
+        # The ceiling, in the same engine: vLLM's own extraction into files, every sample in one generate call,
+        # nothing read back (the files are deleted after the clock stops).
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import \
+            cleanup_hidden_states
+
+        started = time.perf_counter()
+        outs = vx.llm.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in samples],
+                               SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        engine_s = time.perf_counter() - started
+        for out in outs:
+            cleanup_hidden_states(out.kv_transfer_params["hidden_states_path"])
+        result["engine_alone"] = {"seconds": engine_s, "tokens_per_s": tokens / engine_s}
+        for prefetch in [int(x) for x in args.vllm_prefetch.split(",")]:
+            vx.prefetch = prefetch
+            seconds, nbytes, blocked = extract(vx, parts, hs_schema, None)
+            result[f"prefetch_{prefetch}"] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
+                                              "vs_engine_alone": engine_s / seconds, "ipc_bytes": nbytes,
+                                              "writer_blocked_s": blocked}
+            print(json.dumps({f"prefetch_{prefetch}": result[f"prefetch_{prefetch}"],
+                              "engine_alone": result["engine_alone"]}), flush=True)
     print(json.dumps(result), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -283,6 +309,10 @@ def main(argv=None) -> dict:
     p.add_argument("--vllm", action="store_true", help="measure the vllm backend instead (needs vLLM and CUDA)")
     p.add_argument("--model", help="with --vllm: a model directory to cross-check both backends on")
     p.add_argument("--vllm-eager", action="store_true", help="with --vllm: enforce_eager (faster start)")
+    p.add_argument("--dummy-dir", help="with --vllm: a config-only model directory (load_format dummy) instead "
+                                       "of --shape, e.g. the 27B hybrid from bench/dummy_model.py")
+    p.add_argument("--vllm-prefetch", default="0,1",
+                   help="with --vllm: the read-back overlaps to measure (parts generated ahead; 0 = in line)")
     args = p.parse_args(argv)
     if args.vllm:
         return vllm_check(args)

@@ -5,6 +5,7 @@
 #   bash bench/gpu_issue13.sh warm     # first engine start on the machine (compile cache), no limit
 #   bash bench/gpu_issue13.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
 #   bash bench/gpu_issue13.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
+#   bash bench/gpu_issue13.sh vllm2    # stage 2's vllm backend: read-back in line vs overlapped vs the engine alone
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -42,5 +43,16 @@ sweep)
   timeout 580 python3 bench/bench_generate.py --config bench/gpu_stage1.yaml --prompts ${PROMPTS:-256} \
     --only ${SWEEP:-"stage1+engine_kwargs.max_num_seqs=256" "stage1+engine_kwargs.max_num_seqs=64" "stage1+engine_kwargs.enable_prefix_caching=true"} \
     --timeout ${CT:-185} --logs $OUT/logs 2>&1 | tee $OUT/sweep.log | grep -v "^INFO\|^(\|^\[" | tail -20
+  ;;
+vllm2)
+  # One engine per shape: vLLM's own extraction into /dev/shm files (all samples in one generate call, nothing read
+  # back) against the backend with the read-back in line (prefetch 0) and overlapped with the next part (1).
+  timeout ${T8:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 64 \
+    --json-out $OUT/vllm2_8b.json 2>&1 | grep -v "Warning\|warn" | tee $OUT/vllm2_8b.log | grep "^{" | cut -c1-600
+  if [ -n "${HYBRID:-}" ]; then
+    timeout ${T27:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 32 \
+      --num-samples 128 --layers 1,16,31,46,61 --dummy-dir .cache/dummy-hybrid-27b --json-out $OUT/vllm2_27b.json \
+      2>&1 | grep -v "Warning\|warn" | tee $OUT/vllm2_27b.log | grep "^{" | cut -c1-600
+  fi
   ;;
 esac

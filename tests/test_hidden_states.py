@@ -535,3 +535,44 @@ def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run
     uri.write_bytes(table_to_ipc(part_table(samples, features.view(torch.uint8).numpy(), hs_schema)).to_pybytes())
     with pytest.raises(HiddenStateCheckError, match=rf"layer 1 of sample {first['id']!r} .* by 1\.\d\d%"):
         check_run(hs_config(model_dir, altered), num_samples=3)
+
+
+def test_vllm_backend_prefetch_keeps_order_raises_in_place_and_drops_what_nobody_reads():
+    """The vllm backend's read-back overlap (the engine works on part i+1 while part i is read back): results come
+    in order, at most `depth` ahead, an error surfaces at its own item, and parts made ahead of an early stop are
+    handed to on_drop (their /dev/shm files deleted) instead of leaking."""
+    import threading
+
+    from job.hidden_states.vllm_backend import _ahead
+
+    made, dropped, gate = [], [], threading.Semaphore(0)
+
+    def fn(i):
+        made.append(i)
+        if i == 3:
+            raise ValueError("part 3 is bad")
+        return i * 10
+
+    assert list(_ahead(fn, [0, 1, 2], 0)) == [0, 10, 20]
+    made.clear()
+    it = _ahead(fn, list(range(6)), 1, on_drop=dropped.append)
+    assert [next(it), next(it), next(it)] == [0, 10, 20]
+    with pytest.raises(ValueError, match="part 3 is bad"):
+        next(it)
+    assert made == [0, 1, 2, 3]  # nothing after the failure was started
+
+    # Stop early while the thread is ahead: what it made and nobody took goes to on_drop.
+    made.clear()
+
+    def slow(i):
+        made.append(i)
+        gate.release()
+        return i
+
+    it = _ahead(slow, list(range(10)), 2, on_drop=dropped.append)
+    assert next(it) == 0
+    for _ in range(4):  # item 0, two ahead in the queue (depth 2), and item 3 made and waiting for room
+        assert gate.acquire(timeout=10)
+    it.close()
+    assert made == [0, 1, 2, 3]
+    assert sorted(dropped) == made[1:]

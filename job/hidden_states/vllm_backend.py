@@ -32,7 +32,7 @@ class VllmExtractor:
     def __init__(self, model: str, *, layer_ids: list[int], dtype: str = "bfloat16", max_length: int = 4096,
                  engine_kwargs: dict | None = None, shm_dir: str = "/dev/shm/datagen-hidden-states",
                  min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True,
-                 last_layer_before_norm: bool = False):
+                 last_layer_before_norm: bool = False, prefetch: int = 1):
         from transformers import AutoConfig
         from vllm import LLM
 
@@ -49,6 +49,7 @@ class VllmExtractor:
         self.hidden_size, self.dtype = int(text.hidden_size), dtype
         self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
+        self.prefetch = prefetch  # parts the engine works on ahead of the read-back (0: in line)
         self.stats, self.feature_stats, self.pool = RunStats(), FeatureStats(self.layer_ids, self.hidden_size), \
             _BufferPool()
         args = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
@@ -64,44 +65,113 @@ class VllmExtractor:
         })
 
     def run(self, parts: list[tuple[int, list[Sample]]], *, pooled: bool = True) -> Iterator[PartFeatures]:
+        """Features per part, in order. While this reads one part's files back (safetensors from `shm_dir`, the
+        checks, the copy into one buffer), a thread has the engine already working on the next part: read back
+        in line, the GPU idled for the whole read, which held the backend to 23K tokens/s against the engine's
+        own 40.9K (docs/BENCHMARKS.md). At most `self.prefetch` parts are generated ahead, so /dev/shm holds at
+        most that many parts' files beyond the one being read."""
         import torch
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states, load_hidden_states)
 
         params = SamplingParams(max_tokens=1, detokenize=False)
-        for index, samples in parts:
-            started = time.perf_counter()
-            outputs = self.llm.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in samples], params,
-                                        use_tqdm=False)
-            nbytes = sum(s.num_tokens for s in samples) * self.width
-            buf = self.pool.get(nbytes) if pooled else np.empty(nbytes, dtype=np.uint8)
-            sumsq = np.zeros((len(samples), len(self.layer_ids)))
-            nonfinite = np.zeros_like(sumsq)
-            pos = 0
-            for r, (s, out) in enumerate(zip(samples, outputs)):
-                path = out.kv_transfer_params["hidden_states_path"]
-                data = load_hidden_states(path)
-                cleanup_hidden_states(path)
-                hidden, token_ids = data["hidden_states"], data["token_ids"]
-                if token_ids.tolist() != s.input_ids.tolist() or tuple(hidden.shape[1:]) != (len(self.layer_ids),
-                                                                                             self.hidden_size):
-                    raise RuntimeError(f"vllm backend: sample {s.id!r} came back with {len(token_ids)} tokens and "
-                                       f"features {tuple(hidden.shape)}; expected {s.num_tokens} tokens")
-                norms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
-                sumsq[r] = norms.square().sum(0).numpy()
-                nonfinite[r] = (~torch.isfinite(norms)).sum(0).numpy()
-                n = s.num_tokens * self.width
-                buf[pos:pos + n] = hidden.contiguous().view(-1).view(torch.uint8).numpy()
-                pos += n
-            if self.check:
-                rms = check_features(samples, sumsq, nonfinite, layer_ids=self.layer_ids,
-                                     hidden_size=self.hidden_size, min_rms=self.min_rms, max_rms=self.max_rms)
-                self.feature_stats.update(sumsq, rms, np.array([s.num_tokens for s in samples]))
-            tokens = sum(s.num_tokens for s in samples)
-            self.stats.num_tokens += tokens
-            self.stats.num_padded_tokens += tokens
-            self.stats.feature_bytes += nbytes
-            self.stats.seconds += time.perf_counter() - started
-            yield PartFeatures(index=index, samples=samples, features=buf,
-                               release=(lambda b=buf: self.pool.put(b)) if pooled else (lambda: None))
+
+        def generate(samples):
+            return self.llm.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in samples], params,
+                                     use_tqdm=False)
+
+        def drop(outputs):  # a part made ahead that nobody will read: its files go
+            for out in outputs:
+                cleanup_hidden_states(out.kv_transfer_params["hidden_states_path"])
+
+        generated = _ahead(generate, [samples for _, samples in parts], self.prefetch, on_drop=drop)
+        try:
+            for index, samples in parts:
+                started = time.perf_counter()
+                outputs = next(generated)  # waits while the engine is still on this part
+                nbytes = sum(s.num_tokens for s in samples) * self.width
+                buf = self.pool.get(nbytes) if pooled else np.empty(nbytes, dtype=np.uint8)
+                sumsq = np.zeros((len(samples), len(self.layer_ids)))
+                nonfinite = np.zeros_like(sumsq)
+                pos = 0
+                for r, (s, out) in enumerate(zip(samples, outputs)):
+                    path = out.kv_transfer_params["hidden_states_path"]
+                    data = load_hidden_states(path)
+                    cleanup_hidden_states(path)
+                    hidden, token_ids = data["hidden_states"], data["token_ids"]
+                    if token_ids.tolist() != s.input_ids.tolist() or tuple(hidden.shape[1:]) != (
+                            len(self.layer_ids), self.hidden_size):
+                        raise RuntimeError(f"vllm backend: sample {s.id!r} came back with {len(token_ids)} tokens "
+                                           f"and features {tuple(hidden.shape)}; expected {s.num_tokens} tokens")
+                    norms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
+                    sumsq[r] = norms.square().sum(0).numpy()
+                    nonfinite[r] = (~torch.isfinite(norms)).sum(0).numpy()
+                    n = s.num_tokens * self.width
+                    buf[pos:pos + n] = hidden.contiguous().view(-1).view(torch.uint8).numpy()
+                    pos += n
+                if self.check:
+                    rms = check_features(samples, sumsq, nonfinite, layer_ids=self.layer_ids,
+                                         hidden_size=self.hidden_size, min_rms=self.min_rms, max_rms=self.max_rms)
+                    self.feature_stats.update(sumsq, rms, np.array([s.num_tokens for s in samples]))
+                tokens = sum(s.num_tokens for s in samples)
+                self.stats.num_tokens += tokens
+                self.stats.num_padded_tokens += tokens
+                self.stats.feature_bytes += nbytes
+                self.stats.seconds += time.perf_counter() - started  # waiting for the engine + the read-back
+                yield PartFeatures(index=index, samples=samples, features=buf,
+                                   release=(lambda b=buf: self.pool.put(b)) if pooled else (lambda: None))
+        finally:
+            generated.close()
+
+
+def _ahead(fn, items: list, depth: int, on_drop=lambda result: None) -> Iterator:
+    """fn(item) for each item in order, computed by one background thread up to `depth` items ahead of the
+    consumer (depth 0: in line, no thread). An exception in fn is raised to the consumer at that item. Closing
+    the iterator early stops the thread after the call it is in; results made but never taken go to on_drop."""
+    import queue
+    import threading
+
+    if depth <= 0:
+        for item in items:
+            yield fn(item)
+        return
+    results: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        for item in items:
+            if stop.is_set():
+                return
+            try:
+                out = (True, fn(item))
+            except BaseException as e:  # handed to the consumer, which raises it there
+                out = (False, e)
+            while True:
+                if stop.is_set():
+                    if out[0]:
+                        on_drop(out[1])
+                    return
+                try:
+                    results.put(out, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if not out[0]:
+                return
+
+    thread = threading.Thread(target=work, name="vllm-prefetch", daemon=True)
+    thread.start()
+    try:
+        for _ in items:
+            ok, value = results.get()
+            if not ok:
+                raise value
+            yield value
+    finally:
+        stop.set()
+        thread.join()
+        while not results.empty():
+            ok, value = results.get_nowait()
+            if ok:
+                on_drop(value)
