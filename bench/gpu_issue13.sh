@@ -47,7 +47,7 @@ sweep)
 vllm2)
   # One engine per shape: vLLM's own extraction into /dev/shm files (all samples in one generate call, nothing read
   # back) against the backend with the read-back in line (prefetch 0) and overlapped with the next part (1).
-  timeout ${T8:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 64 \
+  timeout ${T8:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 64 --vllm-prefetch ${PREFETCH:-0,1} \
     --json-out $OUT/vllm2_8b.json 2>&1 | grep -v "Warning\|warn" | tee $OUT/vllm2_8b.log | grep "^{" | cut -c1-600
   if [ -n "${HYBRID:-}" ]; then
     timeout ${T27:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 32 \

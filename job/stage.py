@@ -99,20 +99,21 @@ def map_units(units: list, stage: ActorStage):
         # at most 1.0 busy: "every actor full" must be the trigger, or no actor is ever added.
         ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
     # An actor that runs several units at once is handed exactly as many as it runs.
-    per_actor = {"max_concurrency": stage.units_per_actor} if stage.units_per_actor else {}
-    in_flight = {"max_tasks_in_flight_per_actor": stage.units_per_actor} if stage.units_per_actor else {}
+    per_actor = ({"max_tasks_in_flight_per_actor": stage.units_per_actor,
+                  "max_concurrent_calls_per_actor": stage.units_per_actor} if stage.units_per_actor else {})
     ds = ray.data.from_items([u.to_row() for u in units], override_num_blocks=len(units))
     return ds.map_batches(
         stage.actor,
         fn_constructor_kwargs=stage.constructor_kwargs,
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(min_size=stage.min_actors, max_size=stage.max_actors, **in_flight),
+        compute=ray.data.ActorPoolStrategy(min_size=stage.min_actors, max_size=stage.max_actors, **per_actor),
         num_cpus=1,
         num_gpus=stage.gpus_per_actor,
         runtime_env=stage.runtime_env,
+        # Ray 2.60 has no named parameter for these two yet (it warns that `ray_remote_args` goes in 2.64): check
+        # them before upgrading Ray, or a crashing actor is restarted forever (Ray Data's default is -1).
         max_restarts=stage.max_retries,
         max_task_retries=stage.max_retries,
-        **per_actor,
     )
 
 

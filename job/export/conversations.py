@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from job import layout, schema, storage
+from job import layout, scan, schema, storage
 from job.export.samples import ExportError, finish_export, write_lines
 
 
@@ -115,10 +115,9 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
     `output/dropped.jsonl` with the reason; `export.json` counts both and checks they add up to the input."""
     from job import runs
 
-    completions = storage.join(run, layout.COMPLETIONS_DIR)
-    uris = storage.list_files(completions, layout.SHARD_SUFFIX, storage_config)
+    uris = scan.completion_shards(run, storage_config)
     if not uris:
-        raise ExportError(f"export: no completion shards under {completions}")
+        raise ExportError(f"export: no completion shards under {storage.join(run, layout.COMPLETIONS_DIR)}")
     config = (runs.read_run_json(run, storage_config) or {}).get("config", {})
     thinking = bool(config.get("generate", {}).get("enable_thinking", True))
     kept, dropped, num_rows = [], [], 0

@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pyarrow.ipc as ipc
 
 from job import layout, progress, runs, scan, schema, stage, storage
 from job.formatting import format_bytes
@@ -42,42 +41,30 @@ def _out_dir(config: RunConfig) -> str:
     return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
-def _num_rows(uri: str, config: RunConfig) -> int:
-    """Rows of a completion shard: from stage 1's name (`f00000-r0000000000-0000000064`) or its footer."""
-    parsed = layout.parse_completion_shard_name(uri.rsplit("/", 1)[-1])
-    if parsed:
-        return parsed[2] - parsed[1]
-    fs, path = storage.resolve(uri, config.storage)
-
-    def count():
-        with fs.open_input_file(path) as f:
-            reader = ipc.open_file(f)
-            return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-
-    return storage.with_retries(count, what=f"read {uri}", storage=config.storage)
-
-
 def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
-    """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows."""
-    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-    uris = storage.list_files(completions, layout.SHARD_SUFFIX, config.storage)
-    if not uris:
+    """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows. The shards
+    and their rows come from scan's one listing (rows from stage 1's names); other files there are not ours."""
+    shards = scan.list_completion_shards(config.output, config.storage)
+    if not shards:
+        completions = storage.join(config.output, layout.COMPLETIONS_DIR)
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
+    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     units, left = [], config.limit
-    for uri in uris:
-        n = _num_rows(uri, config)
-        stem = layout.hidden_state_stem(uri, completions)
+    for shard in shards:
+        n = shard.stop - shard.start
+        stem = layout.hidden_state_stem(shard.uri, completions)
         if left is not None and n >= left:
-            units.append(HiddenStateUnit(uri=uri, stem=stem, num_rows=left, row_limit=left if left < n else None))
+            units.append(HiddenStateUnit(uri=shard.uri, stem=stem, num_rows=left, row_limit=left if left < n else None))
             break
-        units.append(HiddenStateUnit(uri=uri, stem=stem, num_rows=n))
+        units.append(HiddenStateUnit(uri=shard.uri, stem=stem, num_rows=n))
         if left is not None:
             left -= n
+    rows = {shard.uri: shard.stop - shard.start for shard in shards}
     existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
     for unit in units:
         unit.existing = [name for name in existing if unit.owns(name)]
-        _take_covering_marker(unit, config)
+        _take_covering_marker(unit, rows[unit.uri])
     return units
 
 
@@ -90,7 +77,7 @@ def _remove_outputs(config: RunConfig, units: list[HiddenStateUnit]) -> None:
         unit.existing = []
 
 
-def _take_covering_marker(unit: HiddenStateUnit, config: RunConfig) -> None:
+def _take_covering_marker(unit: HiddenStateUnit, full: int) -> None:
     """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
     done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
     if unit.row_limit is None:
@@ -103,7 +90,6 @@ def _take_covering_marker(unit: HiddenStateUnit, config: RunConfig) -> None:
     if covering:
         rows, limit = max(covering, key=lambda c: c[0])
         if rows >= unit.row_limit:
-            full = _num_rows(unit.uri, config)
             unit.row_limit = None if limit is None or limit >= full else limit
             unit.num_rows = full if unit.row_limit is None else limit
 
