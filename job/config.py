@@ -130,9 +130,10 @@ class HiddenStatesConfig:
     """Padded tokens per forward batch (rows are length-sorted, so padding stays small). At least max_length."""
     attention: str = "auto"
     """How the transformers backend batches sequences: 'padded' (right-padded rows and a mask), 'packed' (rows
-    concatenated without padding: varlen attention; Gated DeltaNet layers run once per sequence so their conv and
-    recurrent state never cross a boundary) or 'auto' (packed on a CUDA GPU when every sequence mixer of the model
-    can be kept exact that way, else padded). Both are exact; a model packing cannot keep exact is refused."""
+    concatenated without padding: varlen attention; Gated DeltaNet layers once per batch through
+    flash-linear-attention's varlen kernels, or once per sequence without them, so their conv and recurrent state
+    never cross a boundary) or 'auto' (packed on a CUDA GPU when every sequence mixer of the model can be kept
+    exact that way, else padded). Both are exact; a model packing cannot keep exact is refused."""
     check_samples: int = 4
     """Exactness self-check: before writing anything, each worker runs this many of the run's own samples through
     its batched path together and through a plain transformers forward one by one; beyond `check_tolerance` the
