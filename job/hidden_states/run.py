@@ -45,11 +45,10 @@ def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
     """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows. The shards
     and their rows come from scan's one listing (rows from stage 1's names); other files there are not ours."""
     shards = scan.list_completion_shards(config.output, config.storage)
+    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     if not shards:
-        completions = storage.join(config.output, layout.COMPLETIONS_DIR)
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
-    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     units, left = [], config.limit
     for shard in shards:
         n = shard.stop - shard.start
@@ -60,11 +59,10 @@ def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
         units.append(HiddenStateUnit(uri=shard.uri, stem=stem, num_rows=n))
         if left is not None:
             left -= n
-    rows = {shard.uri: shard.stop - shard.start for shard in shards}
     existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
-    for unit in units:
+    for unit, shard in zip(units, shards):  # units are the first shards, in order
         unit.existing = [name for name in existing if unit.owns(name)]
-        _take_covering_marker(unit, rows[unit.uri])
+        _take_covering_marker(unit, shard.stop - shard.start)
     return units
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
@@ -50,7 +51,6 @@ class VllmExtractor:
         self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
         self.prefetch = prefetch  # parts the engine works on ahead of the read-back (0: in line)
-        from concurrent.futures import ThreadPoolExecutor
         self.readers = ThreadPoolExecutor(8, thread_name_prefix="vllm-read-back")
         self.stats, self.feature_stats, self.pool = RunStats(), FeatureStats(self.layer_ids, self.hidden_size), \
             _BufferPool()
