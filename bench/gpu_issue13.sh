@@ -6,6 +6,10 @@
 #   bash bench/gpu_issue13.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
 #   bash bench/gpu_issue13.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
 #   bash bench/gpu_issue13.sh vllm2    # stage 2's vllm backend: read-back in line vs overlapped vs the engine alone
+# Runs not yet made (issue 13's device time ran out on 2026-12-03), each one call after `warm`:
+#   PROMPTS=1000 CT=190 ONLY="plain+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024 raydata+generate.sampling.max_tokens=1024" bash bench/gpu_issue13.sh stage1
+#   PROMPTS=256 CT=185 SWEEP="stage1+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024+generate.per_request_seed=false stage1+generate.sampling.max_tokens=1024+engine_kwargs.max_num_seqs=64" bash bench/gpu_issue13.sh sweep
+#   HYBRID=1 SKIP_8B=1 bash bench/gpu_issue13.sh vllm2   # the 27B hybrid shape alone
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -47,8 +51,10 @@ sweep)
 vllm2)
   # One engine per shape: vLLM's own extraction into /dev/shm files (all samples in one generate call, nothing read
   # back) against the backend with the read-back in line (prefetch 0) and overlapped with the next part (1).
-  timeout ${T8:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 64 --vllm-prefetch ${PREFETCH:-0,1} \
-    --json-out $OUT/vllm2_8b.json 2>&1 | grep -v "Warning\|warn" | tee $OUT/vllm2_8b.log | grep "^{" | cut -c1-600
+  if [ -z "${SKIP_8B:-}" ]; then
+    timeout ${T8:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 64 --vllm-prefetch ${PREFETCH:-0,1} \
+      --json-out $OUT/vllm2_8b.json 2>&1 | grep -v "Warning\|warn" | tee $OUT/vllm2_8b.log | grep "^{" | cut -c1-600
+  fi
   if [ -n "${HYBRID:-}" ]; then
     timeout ${T27:-280} python3 bench/bench_hidden_states.py --vllm --vllm-eager --rows-per-shard 32 \
       --num-samples 128 --layers 1,16,31,46,61 --dummy-dir .cache/dummy-hybrid-27b --json-out $OUT/vllm2_27b.json \

@@ -68,7 +68,10 @@ class GenerateConfig:
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
     per_request_seed: bool | None = None
-    """Pass each row's seed to vLLM. None = on GPU builds only (the CPU build crashes on per-request seeds)."""
+    """Pass each row's seed to vLLM. None = on GPU builds only (the CPU build crashes on per-request seeds).
+    The price on a GPU: any seeded request in a batch moves vLLM's sampler off FlashInfer onto its PyTorch top-k/top-p
+    path with one noise draw per seeded row per step (vLLM 0.26 and 0.32). False gives up per-row reproducibility
+    (the `seed` column is then null) for that; the difference was not measured (docs/BENCHMARKS.md)."""
     rows_per_shard: int = 256
     """Rows per work unit and per output shard. A crash redoes at most the units in flight."""
     units_in_flight_per_engine: int = 16

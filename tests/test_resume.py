@@ -38,6 +38,17 @@ def wait_for(condition, timeout_s: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def wait_for_processes(pattern: str, timeout_s: float) -> list[psutil.Process]:
+    """The processes matching `pattern`, from the same listing that found them: listing twice races a process that
+    exits in between (CI saw an engine found by the wait and gone by the second listing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if found := processes(pattern):
+            return found
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for a {pattern} process")
+
+
 def processes(pattern: str, root: int | None = None) -> list[psutil.Process]:
     """Descendants of `root` (default: this test process, whose local Ray runs the job) matching `pattern`.
     Only our own tree: other jobs' engines on a shared machine are never touched."""
@@ -160,18 +171,25 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
 
 
 def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
-    """Run a job in this process while `fault(run_dir)` runs in a thread once the first shard is written."""
+    """Run a job in this process while `fault()` runs in a thread once the first shard is written.
+
+    The engine takes one shard's rows at a time (16 in flight, 2 units at the gate), so when the first of the 6
+    shards lands, 5 are still to come and the fault hits a running job. With the demo's 256 rows in flight all 96
+    rows ran at once, every shard landed within the same second, and the fault could find the engine already
+    exiting at the end of the run (a failed CI run, stop 23)."""
     rows = simple_prompts(96)
     inp = write_prompts(tmp_path / "in", rows)
     run = tmp_path / "run"
+    generate = {"max_rows_in_flight": 16, "units_in_flight_per_engine": 2, **generate}
     config = load_config(small_config_file(tmp_path, **generate), model=tiny_model_dir, input=inp,
                          output=str(run))
-    errors = []
+    errors, shards_at_fault = [], []
 
     def inject():
         try:
             wait_for(lambda: shards(run), 240, "the first shard")
             fault()
+            shards_at_fault.append(len(shards(run)))
         except Exception as e:  # surfaced by the assertion below
             errors.append(e)
 
@@ -180,15 +198,14 @@ def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
     summary = run_generate(config)
     t.join(5)
     assert not errors, errors
+    assert shards_at_fault[0] < len(rows) // 16, "the fault hit a job that had already written every shard"
     assert summary.num_rows == len(rows)
     assert_exactly_once(str(run), rows)
 
 
 def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
     def kill_actor():
-        wait_for(lambda: processes("ray::MapWorker"), 60, "the engine actor")
-        victims = processes("ray::MapWorker")
-        assert victims, "no engine actor process found"
+        victims = wait_for_processes("ray::MapWorker", 60)
         for p in victims:
             p.kill()
 
@@ -198,9 +215,7 @@ def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
 def test_engine_death_replaces_the_actor(tmp_path, tiny_model_dir):
     """SIGKILL of vLLM's EngineCore: the actor sees EngineDeadError and must die, not retry on a dead engine."""
     def kill_engine():
-        wait_for(lambda: processes("EngineCore"), 60, "the engine process")
-        victims = processes("EngineCore")
-        assert victims, "no EngineCore process found"
+        victims = wait_for_processes("EngineCore", 60)
         for p in victims:
             p.kill()
 
@@ -211,9 +226,7 @@ def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
     stopped: list[psutil.Process] = []
 
     def stall_engine():  # a real stall: the engine process stops running, its requests never finish
-        wait_for(lambda: processes("EngineCore"), 60, "the engine process")
-        victims = processes("EngineCore")
-        assert victims, "no EngineCore process found"
+        victims = wait_for_processes("EngineCore", 60)
         for p in victims:
             p.suspend()
             stopped.append(p)
