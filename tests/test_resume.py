@@ -203,23 +203,21 @@ def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
     assert_exactly_once(str(run), rows)
 
 
-def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
-    def kill_actor():
-        victims = wait_for_processes("ray::MapWorker", 60)
-        for p in victims:
+def kill_every(pattern: str):
+    """A fault: SIGKILL every process of ours matching `pattern`."""
+    def fault():
+        for p in wait_for_processes(pattern, 60):
             p.kill()
+    return fault
 
-    _run_with_fault(tmp_path, tiny_model_dir, kill_actor)
+
+def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
+    _run_with_fault(tmp_path, tiny_model_dir, kill_every("ray::MapWorker"))
 
 
 def test_engine_death_replaces_the_actor(tmp_path, tiny_model_dir):
     """SIGKILL of vLLM's EngineCore: the actor sees EngineDeadError and must die, not retry on a dead engine."""
-    def kill_engine():
-        victims = wait_for_processes("EngineCore", 60)
-        for p in victims:
-            p.kill()
-
-    _run_with_fault(tmp_path, tiny_model_dir, kill_engine)
+    _run_with_fault(tmp_path, tiny_model_dir, kill_every("EngineCore"))
 
 
 def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
