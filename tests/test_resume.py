@@ -30,23 +30,14 @@ from job.storage import StorageError
 
 
 def wait_for(condition, timeout_s: float, what: str):
+    """The first truthy value of `condition()`. Act on that value, not on a second call: a second listing of
+    processes races one that exits in between (CI saw an engine found by the wait and gone by the next listing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
-def wait_for_processes(pattern: str, timeout_s: float) -> list[psutil.Process]:
-    """The processes matching `pattern`, from the same listing that found them: listing twice races a process that
-    exits in between (CI saw an engine found by the wait and gone by the second listing)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if found := processes(pattern):
+        if found := condition():
             return found
         time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for a {pattern} process")
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def processes(pattern: str, root: int | None = None) -> list[psutil.Process]:
@@ -71,10 +62,13 @@ def assert_exactly_once(output: str, rows: list[dict]):
     assert Counter(ids) == Counter(str(r["id"]) for r in rows)
 
 
+ROWS_PER_SHARD = 16
+
+
 def small_config_file(tmp_path: Path, **generate) -> str:
     """configs/demo.yaml with small shards, so a run has many commit points to be killed between."""
     data = yaml.safe_load(Path(DEMO_CONFIG).read_text())
-    data["generate"].update({"rows_per_shard": 16, **generate})
+    data["generate"].update({"rows_per_shard": ROWS_PER_SHARD, **generate})
     data["quality"]["canary_rows"] = 0
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -198,7 +192,7 @@ def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
     summary = run_generate(config)
     t.join(5)
     assert not errors, errors
-    assert shards_at_fault[0] < len(rows) // 16, "the fault hit a job that had already written every shard"
+    assert shards_at_fault[0] < len(rows) // ROWS_PER_SHARD, "the fault hit a job that had already written every shard"
     assert summary.num_rows == len(rows)
     assert_exactly_once(str(run), rows)
 
@@ -206,7 +200,7 @@ def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
 def kill_every(pattern: str):
     """A fault: SIGKILL every process of ours matching `pattern`."""
     def fault():
-        for p in wait_for_processes(pattern, 60):
+        for p in wait_for(lambda: processes(pattern), 60, f"a {pattern} process"):
             p.kill()
     return fault
 
@@ -224,7 +218,7 @@ def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
     stopped: list[psutil.Process] = []
 
     def stall_engine():  # a real stall: the engine process stops running, its requests never finish
-        victims = wait_for_processes("EngineCore", 60)
+        victims = wait_for(lambda: processes("EngineCore"), 60, "the engine process")
         for p in victims:
             p.suspend()
             stopped.append(p)
