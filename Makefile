@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test notebook clean up down submit status dashboard
+.PHONY: install demo test test-slow test-all notebook clean up down submit status dashboard
 
 install: $(STAMP)
 
@@ -25,8 +25,15 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) -m job demo --output demo-run
 
-test: install
-	$(PY) -m pytest -x -q tests
+# Two tiers (README, "Tests"; markers in tests/conftest.py). Every run prints the 30 slowest tests and each tier's
+# time, and writes a JUnit XML to test-results/ (CI keeps it with the run's output).
+PYTEST := $(PY) -m pytest -x -q --durations=30
+test: install          # the default tier: both stages end to end, real Ray, vLLM CPU, moto S3, resume after a kill
+	$(PYTEST) -m "not slow" --junitxml=test-results/junit-default.xml tests
+test-slow: install     # several nodes, ray job submit, injected faults, the notebook, the hybrid model, builds
+	$(PYTEST) -m slow --junitxml=test-results/junit-slow.xml tests
+test-all: install      # both tiers in one session (the shared runs are made once); what CI runs
+	$(PYTEST) --junitxml=test-results/junit.xml tests
 
 # The inspection notebook on a run: RUN_DIR is a run directory or s3:// URI (default: the demo's). Jupyter is
 # installed into .venv once (the `notebook` extra; torch is left as `make install` resolved it).
@@ -42,7 +49,7 @@ $(NOTEBOOK_STAMP): $(STAMP)
 	touch $(NOTEBOOK_STAMP)
 
 clean:
-	rm -rf demo-run .cache
+	rm -rf demo-run .cache test-results
 
 # --- cluster (see docs/OPERATIONS.md) --------------------------------------------------------------------------
 CLUSTER ?= cluster.yaml

@@ -1,5 +1,16 @@
-"""Shared fixtures: the tiny model (built once per checkout), a moto S3 server on loopback, prompt shards and
-run configs derived from configs/demo.yaml (the embedded default doubles as the test fixture)."""
+"""Shared fixtures: the tiny models (built once per checkout), a moto S3 server on loopback, one local Ray per test
+session, the session's shared run (stage 1 + stage 2 once, read by many tests), and prompt shards and run configs
+derived from configs/demo.yaml (the embedded default doubles as the test fixture).
+
+Tiers (README, "Tests"): `make test` runs every test not marked `slow`; `make test-slow` the slow ones; `make
+test-all` (and .ci/run) both. A test goes in the slow tier when it needs several nodes, `ray job submit`, injected
+faults that cost engine restarts, the notebook, the hybrid model, or a tiny-model build of its own.
+
+Why the suite is shaped like this (measured on the 2-core CI machine, docs/BENCHMARKS.md "The test suite"): a stage-1
+run costs ~50 s, nearly all of it vLLM's CPU engine starting (three Python processes, each importing torch and vLLM:
+~13 + 17 + 13 s), and generating the tiny model's completions takes ~1 s. So tests share runs instead of making
+their own, and a test that needs a run of its own says why.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,6 +35,52 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Tiers and ordering
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the slow tier (`make test-slow`): several nodes, `ray job submit`, "
+                                       "injected faults, the notebook, the hybrid model, tiny-model builds")
+    config.addinivalue_line("markers", "own_ray: starts a Ray of its own (a cluster, a head): run last, after the "
+                                       "session's local Ray is shut down")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default tier first (a failure there is the cheapest to learn about), then the slow tier; within it the
+    tests that start a Ray of their own (a cluster, a head) last, so the session's local Ray is started once."""
+    def rank(item) -> int:
+        if not item.get_closest_marker("slow"):
+            return 0
+        return 2 if item.get_closest_marker("own_ray") else 1
+
+    items.sort(key=rank)  # stable: file order within each rank
+
+
+_TIER_SECONDS = {"default": 0.0, "slow": 0.0}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.monotonic()
+    yield
+    _TIER_SECONDS["slow" if item.get_closest_marker("slow") else "default"] += time.monotonic() - started
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's wall time in this run (setup, call and teardown of its tests), so every CI log shows both."""
+    if any(_TIER_SECONDS.values()):
+        terminalreporter.write_line(
+            "tier times: " + ", ".join(f"{tier} {s / 60:.1f} min ({s:.0f} s)" for tier, s in _TIER_SECONDS.items()
+                                       if s))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models, tokenizer, S3, Ray
+# ---------------------------------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
     from job.tiny_model import ensure_tiny_model
@@ -33,7 +91,7 @@ def tiny_model_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir() -> str:
     """The target's architecture (Qwen3.5/3.6: Gated DeltaNet + gated attention, vision tower, MTP head) at tiny
-    scale, built once per checkout (~2 min on 2 cores)."""
+    scale, built once per checkout (~1 min on 2 cores). Tests that use it are in the slow tier."""
     from job.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(str(REPO / ".cache" / "tiny-hybrid"), architecture="hybrid")
@@ -59,7 +117,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3 protocol server (moto) on loopback, in its own process. Yields its endpoint URL and sets the
-    standard AWS environment variables, which the local Ray's workers inherit."""
+    standard AWS environment variables, which the session's local Ray (started after it) passes to its workers."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -86,13 +144,88 @@ def s3_server():
                 os.environ[k] = v
 
 
-@pytest.fixture
-def s3_bucket(s3_server, request):
+def make_bucket(endpoint: str, name: str) -> str:
     import boto3
 
-    name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    return make_bucket(s3_server, "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-"))
+
+
+def ensure_local_ray() -> None:
+    """The session's local Ray: started on first use (after the moto server, whose endpoint and credentials its
+    workers inherit) and kept for the rest of the session; every job run in this process joins it instead of
+    starting and stopping its own (~10 s each here). A test that needs a Ray of its own (a cluster, a head) shuts
+    it down first; the next test that asks for it starts it again."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True,
+             object_store_memory=512 * 1024**2)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # as job/stage.py's ensure_ray sets for a Ray it starts
+    ctx.print_on_execution_start = False
+
+
+@pytest.fixture
+def local_ray(s3_server):
+    ensure_local_ray()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_local_ray_at_the_end():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def engine_processes() -> list:
+    """vLLM engine processes (EngineCore and its CPU worker) among this test process's descendants."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "EngineCore" in cmd or "VllmWorker" in cmd or "vllm.v1" in cmd:
+            found.append(p)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_outlives_its_test(request):
+    """A job's engines stop with the job. An engine left running (seen once: two orphaned EngineCore processes
+    after a CI run, ~3 GB) slows every later test on 2 cores and hides a leak of the job itself: fail the test that
+    left it. Ray Data stops a finished job's actors asynchronously: a few seconds are allowed."""
+    yield
+    if request.node.get_closest_marker("own_ray"):
+        return  # those tests stop a whole Ray of their own, engines included
+    deadline = time.monotonic() + 30
+    while (left := engine_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        for p in left:
+            try:
+                p.kill()
+            except Exception:
+                pass
+        pytest.fail(f"{len(left)} vLLM engine process(es) still running after the test: "
+                    + "; ".join(" ".join(p.cmdline())[:120] for p in left if p.is_running()), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and configs
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def write_prompts(directory: str | Path, rows: list[dict], num_files: int = 1, schema: pa.Schema | None = None):
@@ -111,19 +244,6 @@ def simple_prompts(n: int, prefix: str = "p") -> list[dict]:
     questions = demo_questions()
     return [{"id": f"{prefix}{i:04d}", "prompt": questions[i % len(questions)], "topic": f"t{i % 3}"}
             for i in range(n)]
-
-
-# One local Ray per test module that asks for it (stage 2 and export tests); left alone if a test started one.
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture
@@ -146,3 +266,135 @@ def read_run(output: str):
 
     fs, path = storage.resolve(output + "/completions")
     return ds.dataset(path, filesystem=fs, format="arrow").to_table()
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The session's shared run: stage 1 and stage 2 once, on S3, read by test_generate, test_inspect, test_status...
+# ---------------------------------------------------------------------------------------------------------------
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+SHARED_INPUT_SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("messages", MESSAGES_TYPE),
+                                 ("topic", pa.string()), ("answer", pa.string())])
+
+# Rows that are individually bad, each with the words its error must contain.
+BAD_ROWS = {
+    1001: ({"prompt": None}, "empty prompt"),
+    1002: ({"prompt": "   "}, "empty prompt"),
+    1003: ({"messages": [{"role": "wizard", "content": "hello"}]}, "unknown role"),
+    1004: ({"messages": [{"role": "user", "content": None}]}, "malformed messages"),
+    1005: ({"prompt": "word " * 3000}, "prompt too long"),
+    1006: ({"prompt": "INVALID-UTF8"}, "not valid UTF-8"),  # written as bytes 0xff 0xfe: see shared_input_files
+}
+NUM_PLAIN = 24  # ids 0..23: one prompt each, `answer` (the data's gold answer) carried as `input_answer`
+CHAT_ID = NUM_PLAIN  # a system + user chat
+BEYOND_LIMIT = [3000, 3001, 3002]  # the input's last rows, left out by the run's --limit
+SHARED_ROWS_PER_SHARD = 8
+
+
+def shared_input_rows() -> list[dict]:
+    """The shared run's input rows in input order: 24 plain prompts, a chat, the bad rows, then 3 rows that the
+    run's --limit leaves out. Integer ids (the output's ids are their strings)."""
+    plain = simple_prompts(NUM_PLAIN)
+    rows = [{"id": i, "prompt": p["prompt"], "messages": None, "topic": p["topic"], "answer": f"gold-{i}"}
+            for i, p in enumerate(plain)]
+    rows.append({"id": CHAT_ID, "prompt": None, "topic": "chat", "answer": None, "messages": [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}]})
+    for i, (fields, _) in BAD_ROWS.items():
+        rows.append({"id": i, "prompt": None, "messages": None, "topic": "bad", "answer": None, **fields})
+    rows += [{"id": i, "prompt": "Left out by the limit.", "messages": None, "topic": "cut", "answer": None}
+             for i in BEYOND_LIMIT]
+    return rows
+
+
+def shared_input_files(rows: list[dict]) -> dict[str, bytes]:
+    """The rows as two parquet files (first 15 rows, then the rest); the prompt "INVALID-UTF8" becomes bytes that
+    are not UTF-8 (parquet accepts them in a string column; decoding them used to fail the whole unit, on every
+    rerun)."""
+    table = pa.Table.from_pylist(rows, schema=SHARED_INPUT_SCHEMA)
+    raw = [None if p is None else b"bad \xff\xfe prompt" if p == "INVALID-UTF8" else p.encode()
+           for p in table.column("prompt").to_pylist()]
+    table = table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array(raw, pa.binary()).view(
+        pa.string()))
+    return {"part-000.parquet": parquet_bytes(table.slice(0, 15)), "part-001.parquet": parquet_bytes(table.slice(15))}
+
+
+@dataclass
+class SharedRun:
+    """What the shared run's tests read. `s3` is the run itself; `full` and `stage1` are local copies of it after
+    stage 2 and between the stages (tests that change a run copy one of these first)."""
+    s3: str
+    full: str
+    stage1: str
+    input_uri: str
+    rows: list[dict]  # the input rows the run covers (--limit), in input order
+    model: str
+    config: object  # the RunConfig stage 1 ran with (its endpoint: the fault proxy, since closed)
+    summary: object  # stage 1's GenerateSummary
+    rerun: object  # the rerun's summary: nothing to do
+    rerun_seconds: float
+    num_s3_faults: int
+    hidden_states: dict  # stage 2's summary
+    bucket: str
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
+    """Stage 1 over an S3 input into an S3 output through a proxy that fails ~17 % of requests (503 SlowDown and
+    dropped connections: retried), with the canary on its first 16 rows and a --limit that leaves the input's last 3
+    rows out; a rerun that finds nothing to do; stage 2 on the same S3 run (direct to moto). ~70 s here.
+    Local copies are taken between the stages and at the end."""
+    from pyarrow import fs as pafs
+
+    from faulty_proxy import FaultyProxy
+    from job import storage
+    from job.config import load_config
+    from job.generate import run_generate
+    from job.hidden_states import run_hidden_states
+
+    ensure_local_ray()
+    bucket = make_bucket(s3_server, "shared-run")
+    rows = shared_input_rows()
+    for name, data in shared_input_files(rows).items():
+        storage.write_bytes_atomic(f"s3://{bucket}/prompts/{name}", data)
+    limit = len(rows) - len(BEYOND_LIMIT)
+    output = f"s3://{bucket}/runs/shared"
+    port = int(s3_server.rsplit(":", 1)[1])
+    # ~17 % of requests faulted. (A 503 answering a small ranged GET surfaces as INTERNAL_FAILURE "Failed to flush
+    # response stream": pyarrow does not retry it, storage.with_retries does.)
+    with FaultyProxy(port, fail_every=8, reset_every=20) as proxy:
+        config = load_config(DEMO_CONFIG, model=tiny_model_dir, input=f"s3://{bucket}/prompts", output=output,
+                             limit=limit, **{"storage.endpoint_url": proxy.url, "storage.retry_base_s": 0.05,
+                                             "generate.rows_per_shard": SHARED_ROWS_PER_SHARD,
+                                             "quality.canary_rows": 16})
+        summary = run_generate(config)
+        started = time.monotonic()
+        rerun = run_generate(config)
+        rerun_seconds = time.monotonic() - started
+        num_faults = proxy.num_faults
+
+    base = tmp_path_factory.mktemp("shared-run")
+    s3fs, s3_path = storage.resolve(output)
+
+    def copy_to(local: Path) -> str:
+        pafs.copy_files(s3_path, str(local), source_filesystem=s3fs, destination_filesystem=pafs.LocalFileSystem())
+        return str(local)
+
+    stage1 = copy_to(base / "stage1")
+    stage2_config = load_config(DEMO_CONFIG, model=tiny_model_dir, output=output)
+    hidden = run_hidden_states(stage2_config)
+    full = copy_to(base / "full")
+    return SharedRun(s3=output, full=full, stage1=stage1, input_uri=f"s3://{bucket}/prompts", rows=rows[:limit],
+                     model=tiny_model_dir, config=config, summary=summary, rerun=rerun, rerun_seconds=rerun_seconds,
+                     num_s3_faults=num_faults, hidden_states=hidden, bucket=bucket)

@@ -66,6 +66,8 @@ def cluster(s3_server):
     import ray
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():  # the session's local Ray (conftest): the driver joins this cluster instead
+        ray.shutdown()
     with _node_environment():
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 150 * 1024 * 1024})
     nodes = [_add_node(c, name) for name in "AB"]
@@ -106,6 +108,8 @@ def _actors(class_part: str) -> dict[str, tuple[str, str]]:
             for a in state.actors(job_id=job_id).values() if class_part in a.get("ActorClassName", "")}
 
 
+@pytest.mark.slow  # several nodes: four Ray nodes and five engine starts on 2 cores (~4-5 min)
+@pytest.mark.own_ray
 def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server, s3_bucket, tmp_path, capsys):
     c, (node_a, node_b) = cluster
     rows = simple_prompts(NUM_ROWS)

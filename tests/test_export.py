@@ -18,6 +18,8 @@ import pyarrow as pa
 import pytest
 import torch
 
+from conftest import ensure_local_ray
+
 from job import layout, schema, storage
 from job.config import HiddenStatesConfig, RunConfig
 from job.export import ExportError, collate, export, make_plan, stream
@@ -117,9 +119,10 @@ def hs_config(model_dir: str, run: str, before_norm: bool) -> RunConfig:
         last_layer_before_norm=before_norm))  # the self-check compares the pre-norm layer with a hooked forward
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
-def runs(request, tmp_path_factory, local_ray):
+@pytest.fixture(scope="module", params=["dense", pytest.param("hybrid", marks=pytest.mark.slow)])
+def runs(request, tmp_path_factory, s3_server):
     """{False: run after the norm, True: run before the norm} of one tiny model, and the model directory."""
+    ensure_local_ray()
     model_dir = request.getfixturevalue("tiny_model_dir" if request.param == "dense" else "tiny_hybrid_dir")
     vocab = json.load(open(os.path.join(model_dir, "config.json"))).get("vocab_size") or 3840
     out = {}
@@ -264,10 +267,9 @@ def test_speculators_reads_back_exactly_and_its_last_slot_is_before_the_norm(run
     assert len(ds) == 5 and torch.equal(ds[0]["input_ids"], read[0]["input_ids"])
 
 
-def test_stream_gives_the_files_rows(runs, tmp_path):
+@pytest.mark.parametrize("runs", ["dense"], indirect=True)  # one model is enough: the stream shares the mapping
+def test_stream_gives_the_files_rows(runs, tmp_path):          # with the files (saves ~20 s)
     by_norm, model_dir = runs
-    if "hybrid" in model_dir:
-        pytest.skip("one model is enough: the stream shares the mapping with the files (saves ~20 s)")
     run = by_norm[True]
     out = str(tmp_path / "spec")
     export(run, to="speculators", format="dflash", output=out)  # 2 aux layers: 0, 1

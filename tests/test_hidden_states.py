@@ -20,6 +20,8 @@ import pyarrow as pa
 import pytest
 import torch
 
+from conftest import ensure_local_ray
+
 from job import layout, schema, storage
 from job.config import ConfigError, HiddenStatesConfig, RunConfig
 from job.hidden_states.checks import HiddenStateCheckError, check_features
@@ -38,9 +40,10 @@ MAX_LENGTH = 128
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+@pytest.fixture(scope="module", params=["dense", pytest.param("hybrid", marks=pytest.mark.slow)])
 def model_dir(request) -> str:
-    """Each exactness test runs on both fixtures: dense Qwen3 and the hybrid (Qwen3.5: Gated DeltaNet layers)."""
+    """Each exactness test runs on both fixtures: dense Qwen3 and the hybrid (Qwen3.5: Gated DeltaNet layers; in
+    the slow tier, with every other test of the hybrid)."""
     return request.getfixturevalue("tiny_model_dir" if request.param == "dense" else "tiny_hybrid_dir")
 
 
@@ -71,9 +74,9 @@ def reference(model_dir):
     return forward
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def _ray_for_this_module(local_ray):
-    """Every test here runs under one local Ray (conftest's `local_ray`)."""
+    """Every test here runs under the session's local Ray (conftest's `local_ray`)."""
     yield
 
 
@@ -127,6 +130,7 @@ def part_files(run: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def float32_run(model_dir, vocab_size, tmp_path_factory):
+    ensure_local_ray()
     run = str(tmp_path_factory.mktemp("run-f32"))
     rows = completion_rows(vocab_size)
     write_completions(run, rows)
@@ -471,6 +475,7 @@ def test_self_check_passes_on_every_worker_and_is_reported(float32_run):
     assert set(check["max_difference_by_layer"]) == {"0", "1", "3"}
 
 
+@pytest.mark.slow  # the hybrid model
 def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hybrid_dir, vocab_size, tmp_path,
                                                                          monkeypatch):
     """The bug this project shipped once: a packed batch lets each Gated DeltaNet layer's conv and recurrent state

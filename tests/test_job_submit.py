@@ -112,6 +112,8 @@ def _stop_head(proc: subprocess.Popen) -> None:
         pass
 
 
+@pytest.mark.slow  # `ray job submit`: a head of its own, the job's runtime env, an engine start (~2 min)
+@pytest.mark.own_ray
 def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     from job.demo import write_demo_prompts
 

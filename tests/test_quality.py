@@ -86,7 +86,7 @@ def test_canary_verdict_thresholds(totals, bad_words):
     assert quality.canary_verdict(healthy, QualityConfig()) is None
 
 
-def test_wrong_template_trips_the_canary_early_then_report_reads_the_partial_run(tmp_path, make_config):
+def test_wrong_template_trips_the_canary_early_then_report_reads_the_partial_run(tmp_path, make_config, local_ray):
     rows = simple_prompts(400)
     template = str(Path(__file__).parent / "data" / "llama3_chat_template.jinja")
     config = make_config(input=write_prompts(tmp_path / "in", rows), output=str(tmp_path / "run"),

@@ -104,7 +104,8 @@ def test_user_error_from_the_command_line_has_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, capsys, tiny_hybrid_dir):
+@pytest.mark.slow  # the hybrid model, and a fault injected into the actors' interpreter
+def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, capsys, tiny_hybrid_dir, local_ray):
     """vLLM's Qwen3.5 model imports torchvision. An install without it (a fault injected here: a torchvision that
     fails to import, first on the actors' path) used to end, after Ray Data retried the actor, in a pydantic
     traceback ("architectures ... failed to be inspected"). Now: one line that names the missing module, exit 2."""
@@ -142,7 +143,8 @@ def test_uint64_ids_above_2_63_are_validated(tmp_path):
         validate_input(list_input_files(dup, StorageConfig()), StorageConfig())
 
 
-def test_an_engine_that_does_not_start_in_time_ends_the_run_once_with_the_reason(tmp_path, capsys, tiny_model_dir):
+def test_an_engine_that_does_not_start_in_time_ends_the_run_once_with_the_reason(tmp_path, capsys, tiny_model_dir,
+                                                                                   local_ray):
     """generate.engine_start_timeout_s is honoured: the CPU engine takes ~15-30 s to start here, so a 1 s limit
     stands in for an engine that hangs while starting (nothing else is faked). One line, exit 2, no shard."""
     import yaml

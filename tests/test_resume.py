@@ -80,49 +80,69 @@ def small_config_file(tmp_path: Path, **generate) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("moment", ["engine_start", "during_write"])
-def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir, moment):
-    rows = simple_prompts(128)
-    inp = write_prompts(tmp_path / "in", rows, num_files=2)
-    run = tmp_path / "run"
-    cfg = small_config_file(tmp_path)
-    cmd = [sys.executable, "-m", "job", "generate", "--config", cfg, "--model", tiny_model_dir, "--input", inp,
-           "--output", str(run)]
+def _start_job(cmd: list[str]) -> subprocess.Popen:
     # Writes pause 1.5 s between the temp file and the rename (tests/fault_injection), so the kill can land inside
     # a write.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fault_injection")]),
            "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    tree: list[psutil.Process] = []
-    try:
-        if moment == "engine_start":
-            wait_for(lambda: processes("EngineCore", proc.pid), 120, "the engine to start")
-        else:
-            wait_for(lambda: shards(run) and list((run / "completions").glob(".*.tmp-*")), 240,
-                     "a shard write in progress")
-    finally:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
-        proc.wait()
-    for p in tree:  # anything of the killed job that left its process group (nothing may keep writing)
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver and the local Ray it started, and anything of the job that left its process group
+    (nothing may keep writing)."""
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in tree:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
     time.sleep(1)
 
+
+def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir,
+                                                                                        local_ray):
+    """The same command killed twice, as an operator's job dies: while its engine starts, then (run again) inside a
+    shard write; the third run finishes. ~150 s: three engine starts (the first one cut short), which is what is
+    tested (each kill takes its own local Ray and engine down with it); drift and changed input are then refused
+    on the finished run without starting an engine."""
+    rows = simple_prompts(128)
+    inp = write_prompts(tmp_path / "in", rows, num_files=2)
+    run = tmp_path / "run"
+    cfg = small_config_file(tmp_path)
+    cmd = [sys.executable, "-m", "job", "generate", "--config", cfg, "--model", tiny_model_dir, "--input", inp,
+           "--output", str(run)]
+
+    # 1. Killed while its engine starts: nothing is committed, whatever was begun.
+    proc = _start_job(cmd)
+    try:
+        wait_for(lambda: processes("EngineCore", proc.pid), 120, "the engine to start")
+    finally:
+        _kill_job(proc)
+    for p in shards(run):  # every visible shard is whole
+        assert storage.read_shard(str(p)).num_rows > 0
+
+    # 2. The same command again (it takes over the dead job's lock), killed inside a shard write.
+    proc = _start_job(cmd)
+    try:
+        wait_for(lambda: shards(run) and list((run / "completions").glob(".*.tmp-*")), 240,
+                 "a shard write in progress")
+    finally:
+        _kill_job(proc)
     done_before = {p.name: p.stat().st_mtime_ns for p in shards(run)}
     for p in shards(run):  # every visible shard is whole
         assert storage.read_shard(str(p)).num_rows > 0
-    if moment == "during_write":
-        assert done_before, "the kill landed after the first shard"
-        leftovers = list((run / "completions").glob(".*.tmp-*"))
-        assert leftovers, "the kill landed inside a write"
-        # A reader never sees the half-committed shard: dataset discovery skips the dot-file.
-        assert sorted(read_run(str(run)).column("id").to_pylist()) == sorted(
-            i for n in done_before for i in storage.read_shard(str(run / "completions" / n)).column("id").to_pylist())
+    assert done_before, "the kill landed after the first shard"
+    leftovers = list((run / "completions").glob(".*.tmp-*"))
+    assert leftovers, "the kill landed inside a write"
+    # A reader never sees the half-committed shard: dataset discovery skips the dot-file.
+    assert sorted(read_run(str(run)).column("id").to_pylist()) == sorted(
+        i for n in done_before for i in storage.read_shard(str(run / "completions" / n)).column("id").to_pylist())
 
+    # 3. Run again, in this process: the rest, exactly once.
     config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run))
     summary = run_generate(config)
     assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows for n in done_before)
@@ -164,39 +184,6 @@ def test_driver_killed_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_with_fault(tmp_path, tiny_model_dir, fault, **generate):
-    """Run a job in this process while `fault()` runs in a thread once the first shard is written.
-
-    The engine takes one shard's rows at a time (16 in flight, 2 units at the gate), so when the first of the 6
-    shards lands, 5 are still to come and the fault hits a running job. With the demo's 256 rows in flight all 96
-    rows ran at once, every shard landed within the same second, and the fault could find the engine already
-    exiting at the end of the run (a failed CI run, stop 23)."""
-    rows = simple_prompts(96)
-    inp = write_prompts(tmp_path / "in", rows)
-    run = tmp_path / "run"
-    generate = {"max_rows_in_flight": 16, "units_in_flight_per_engine": 2, **generate}
-    config = load_config(small_config_file(tmp_path, **generate), model=tiny_model_dir, input=inp,
-                         output=str(run))
-    errors, shards_at_fault = [], []
-
-    def inject():
-        try:
-            wait_for(lambda: shards(run), 240, "the first shard")
-            fault()
-            shards_at_fault.append(len(shards(run)))
-        except Exception as e:  # surfaced by the assertion below
-            errors.append(e)
-
-    t = threading.Thread(target=inject, daemon=True)
-    t.start()
-    summary = run_generate(config)
-    t.join(5)
-    assert not errors, errors
-    assert shards_at_fault[0] < len(rows) // ROWS_PER_SHARD, "the fault hit a job that had already written every shard"
-    assert summary.num_rows == len(rows)
-    assert_exactly_once(str(run), rows)
-
-
 def kill_every(pattern: str):
     """A fault: SIGKILL every process of ours matching `pattern`."""
     def fault():
@@ -205,32 +192,65 @@ def kill_every(pattern: str):
     return fault
 
 
-def test_engine_actor_killed_is_replaced(tmp_path, tiny_model_dir):
-    _run_with_fault(tmp_path, tiny_model_dir, kill_every("ray::MapWorker"))
+@pytest.mark.slow  # injected faults: four engine starts (the first and three replacements), ~3.5 min
+def test_actor_killed_engine_killed_and_engine_hung_are_each_replaced_exactly_once(tmp_path, tiny_model_dir,
+                                                                                    local_ray):
+    """Three faults hit one running job, one after the other, each once the previous fault's replacement has written
+    a shard: the engine actor SIGKILLed (Ray replaces it and retries its units); vLLM's EngineCore SIGKILLed (the
+    actor sees EngineDeadError and must die, not retry on a dead engine); the engine stalled (SIGSTOP: its requests
+    never finish, and the hang watchdog kills the actor). Every id exactly once at the end. One job instead of three
+    saves two engine starts (~100 s); a fault whose handling fails still names itself: the wait for its replacement's
+    shard times out with its name.
 
-
-def test_engine_death_replaces_the_actor(tmp_path, tiny_model_dir):
-    """SIGKILL of vLLM's EngineCore: the actor sees EngineDeadError and must die, not retry on a dead engine."""
-    _run_with_fault(tmp_path, tiny_model_dir, kill_every("EngineCore"))
-
-
-def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
+    The engine takes one shard's rows at a time (16 in flight, 2 units at the gate), so each fault lands while most
+    shards are still to come. (With the demo's 256 rows in flight all rows ran at once, every shard landed within
+    the same second, and a fault could find the engine already exiting at the end of the run: a failed CI run, stop
+    23.)"""
+    rows = simple_prompts(160)  # 10 shards of 16
+    inp = write_prompts(tmp_path / "in", rows)
+    run = tmp_path / "run"
+    config = load_config(small_config_file(tmp_path, max_rows_in_flight=16, units_in_flight_per_engine=2,
+                                           hang_timeout_s=8), model=tiny_model_dir, input=inp, output=str(run))
     stopped: list[psutil.Process] = []
 
     def stall_engine():  # a real stall: the engine process stops running, its requests never finish
-        victims = wait_for(lambda: processes("EngineCore"), 60, "the engine process")
-        for p in victims:
+        for p in wait_for(lambda: processes("EngineCore"), 60, "the engine process"):
             p.suspend()
             stopped.append(p)
 
+    faults = [("engine actor killed", kill_every("ray::MapWorker")), ("engine process killed", kill_every("EngineCore")),
+              ("engine hung", stall_engine)]
+    errors, hit = [], []  # hit: (fault, shards written when it struck)
+
+    def inject():
+        try:
+            seen, after = 0, "the job's start"
+            for name, fault in faults:
+                seen = wait_for(lambda: len(shards(run)) > seen and len(shards(run)), 300,
+                                f"a shard written after {after}")
+                fault()
+                hit.append((name, len(shards(run))))
+                seen, after = len(shards(run)), name
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=inject, daemon=True)
+    t.start()
     try:
-        _run_with_fault(tmp_path, tiny_model_dir, stall_engine, hang_timeout_s=8)
+        summary = run_generate(config)
     finally:
+        t.join(5)
         for p in stopped:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+    assert not errors, errors
+    assert [name for name, _ in hit] == [name for name, _ in faults], hit
+    for name, written in hit:
+        assert written < len(rows) // ROWS_PER_SHARD, f"{name}: the fault hit a job that had written every shard"
+    assert summary.num_rows == len(rows)
+    assert_exactly_once(str(run), rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,23 +258,13 @@ def test_hung_engine_is_killed_and_its_rows_retried(tmp_path, tiny_model_dir):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_transient_s3_errors_are_retried(tmp_path, make_config, s3_server, s3_bucket):
-    rows = simple_prompts(48)
-    inp = write_prompts(tmp_path / "in", rows)
-    port = int(s3_server.rsplit(":", 1)[1])
-    # ~17% of requests faulted. (A 503 answering a small ranged GET surfaces as INTERNAL_FAILURE "Failed to flush
-    # response stream": pyarrow does not retry it, storage.with_retries does.)
-    with FaultyProxy(port, fail_every=8, reset_every=20) as proxy:
-        config = make_config(input=inp, output=f"s3://{s3_bucket}/run", **{
-            "storage.endpoint_url": proxy.url, "storage.retry_base_s": 0.05, "generate.rows_per_shard": 16,
-            "quality.canary_rows": 0})
-        summary = run_generate(config)
-        assert proxy.num_faults >= 5, "faults were injected"
-    assert summary.num_rows == len(rows)
-    assert_exactly_once(config.output, rows)
+# Transient S3 faults (503s and dropped connections, retried) are injected into the session's shared run
+# (tests/conftest.py `shared_run`), which test_generate checks for exactly once.
 
 
-def test_persistent_s3_errors_fail_clearly_with_nothing_half_written(tmp_path, make_config, s3_server, s3_bucket):
+@pytest.mark.slow  # an injected storage outage: an engine start (~50 s) to reach the first write
+def test_persistent_s3_errors_fail_clearly_with_nothing_half_written(tmp_path, make_config, s3_server, s3_bucket,
+                                                                      local_ray):
     rows = simple_prompts(32)
     inp = write_prompts(tmp_path / "in", rows)
     port = int(s3_server.rsplit(":", 1)[1])
@@ -290,7 +300,8 @@ def test_second_writer_is_refused(tmp_path, make_config):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_a_unit_whose_actor_always_dies_is_written_as_errors_not_retried_for_ever(tmp_path, make_config):
+@pytest.mark.slow  # an injected fault: two engine starts (the killed actor's and its replacement's), ~2 min
+def test_a_unit_whose_actor_always_dies_is_written_as_errors_not_retried_for_ever(tmp_path, make_config, local_ray):
     """A poison unit: its actor is killed while it works on the unit, every time (what the OOM killer does to a
     row that needs more memory than the node has). Ray replaces the actor and retries the unit, which used to go
     on for ever. After `max_unit_attempts` attempts in this job the unit is written as error rows; the job ends.

@@ -27,6 +27,7 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+@pytest.mark.slow  # three builds of the tiny model
 def test_build_is_deterministic(tmp_path):
     first = _files(Path(build_tiny_model(str(tmp_path / "a"), train_steps=5)))
     second = _files(Path(build_tiny_model(str(tmp_path / "b"), train_steps=5)))
@@ -149,6 +150,7 @@ def test_loads_in_transformers(tiny_model_dir, tokenizer):
 # ---------------------------------------------------------------------------------------------------------------
 # The hybrid (the target's architecture)
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the hybrid model
 def test_hybrid_has_the_targets_layout(tiny_hybrid_dir, tokenizer):
     from safetensors import safe_open
 
@@ -171,6 +173,7 @@ def test_hybrid_has_the_targets_layout(tiny_hybrid_dir, tokenizer):
             "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(keys)
 
 
+@pytest.mark.slow  # the hybrid model
 def test_hybrid_loads_in_transformers_with_the_checkpoints_weights(tiny_hybrid_dir, tokenizer):
     """The text model transformers builds for stage 2 (Qwen3_5ForCausalLM) holds exactly the checkpoint's
     `model.language_model.*` tensors, and is trained: it answers in the thinking format's vocabulary."""
@@ -216,6 +219,7 @@ def vllm_samples(tiny_model_dir):
     del llm
 
 
+@pytest.mark.slow  # a vLLM engine of its own (~40 s), the model served as vLLM serves it (its own chat rendering)
 def test_vllm_uses_the_generation_config(vllm_samples, tokenizer):
     params, outputs = vllm_samples
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 20, 0.95)
@@ -228,6 +232,7 @@ def test_vllm_uses_the_generation_config(vllm_samples, tokenizer):
         assert output.prompt_token_ids == tokenizer.encode(output.prompt, add_special_tokens=False)
 
 
+@pytest.mark.slow  # a vLLM engine of its own (~40 s)
 def test_vllm_outputs_follow_the_thinking_format(vllm_samples, tokenizer):
     """Most samples are `reasoning\\n</think>\\n\\nanswer<|im_end|>`, and output lengths have a long tail.
     Measured on the default model: ~90% of samples well-formed (threshold 60%), median ~110 tokens, longest
