@@ -27,12 +27,19 @@ demo: install
 
 # Two tiers (README, "Tests"; markers in tests/conftest.py). Every run prints the 30 slowest tests and each tier's
 # time, and writes a JUnit XML to test-results/ (CI keeps it with the run's output).
-PYTEST := $(PY) -m pytest -x -q --durations=30
-test: install          # the default tier: both stages end to end, real Ray, vLLM CPU, moto S3, resume after a kill
+# Two pytest-xdist workers: a test spends most of its time waiting on one core (vLLM's engine processes import
+# torch and vLLM one after another), so two workers nearly halve the wall time on 2 cores. TEST_WORKERS=0: one
+# process. The tiny model is built first, once, by this process (the workers would wait on its lock).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+TINY_MODEL := .cache/tiny-model/build_info.json
+$(TINY_MODEL): $(STAMP) job/tiny_model.py job/data/corpus.txt
+	$(PY) -c "from job.tiny_model import ensure_tiny_model; ensure_tiny_model('.cache/tiny-model')"
+test: install $(TINY_MODEL)      # the default tier: both stages end to end, real Ray, vLLM CPU, moto S3, resume after a kill
 	$(PYTEST) -m "not slow" --junitxml=test-results/junit-default.xml tests
-test-slow: install     # several nodes, ray job submit, injected faults, the notebook, the hybrid model, builds
+test-slow: install $(TINY_MODEL) # several nodes, ray job submit, injected faults, the notebook, the hybrid model, builds
 	$(PYTEST) -m slow --junitxml=test-results/junit-slow.xml tests
-test-all: install      # both tiers in one session (the shared runs are made once); what CI runs
+test-all: install $(TINY_MODEL)  # both tiers in one session (the shared runs are made once); what CI runs
 	$(PYTEST) --junitxml=test-results/junit.xml tests
 
 # The inspection notebook on a run: RUN_DIR is a run directory or s3:// URI (default: the demo's). Jupyter is

@@ -9,7 +9,8 @@ unchanged. Modes:
 Transient faults are drawn from a seeded RNG, not every Nth request: a strict period can line up with the
 fixed number of requests one read makes, so the same request of every retry fails and a transient fault
 becomes a permanent one (seen with a ranged read: 3 requests per attempt, a 503 on every 3rd).
-`match` restricts faults to requests whose method+path contains a substring (e.g. "PUT /bucket/run/completions").
+`match` restricts faults to requests whose method+path contains a substring (e.g. "PUT /bucket/run/completions");
+`spare` exempts the requests whose method+path contains one.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 
 class FaultyProxy:
-    def __init__(self, upstream_port: int, *, match: str = "", fail_every: int = 0, fail_always: bool = False,
-                 reset_every: int = 0):
+    def __init__(self, upstream_port: int, *, match: str = "", spare: str = "", fail_every: int = 0,
+                 fail_always: bool = False, reset_every: int = 0):
         self.upstream_port = upstream_port
         self.match = match
+        self.spare = spare
         self.fail_every = fail_every
         self.fail_always = fail_always
         self.reset_every = reset_every
@@ -104,7 +106,7 @@ class FaultyProxy:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def _fault_for(self, request_line: str) -> str | None:
-        if self.match and self.match not in request_line:
+        if (self.match and self.match not in request_line) or (self.spare and self.spare in request_line):
             return None
         with self.lock:
             self.num_matching += 1

@@ -56,6 +56,7 @@ def check_completions(table: pa.Table, tokenizer, input_rows: list[dict]):
         assert row["topic"] == src["topic"], "input columns are carried through"
 
 
+@pytest.mark.xdist_group("shared_run")  # with two workers, on the worker that made the shared run
 def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared_run, tokenizer):
     """The session's shared run (tests/conftest.py): an S3 input and output behind a proxy that faults ~17 % of
     requests, bad rows, a --limit, the canary, then a rerun. Every covered input id exactly once, each row's stored

@@ -24,6 +24,9 @@ from conftest import BAD_ROWS, NUM_PLAIN, REPO, read_run
 from job import cli, layout, notebook as ji
 from job import report, scan, schema, storage
 
+# With two workers (pytest-xdist), every reader of the shared run goes to the worker that made it.
+pytestmark = pytest.mark.xdist_group("shared_run")
+
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
 NUM_ROWS = NUM_PLAIN + 1 + len(BAD_ROWS)  # the rows the shared run covers: plain prompts, a chat, the bad rows
 NUM_FILES = 2

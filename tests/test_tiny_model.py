@@ -216,7 +216,7 @@ def vllm_samples(tiny_model_dir):
     chats = [[{"role": "user", "content": questions[i * 7 % len(questions)]}] for i in range(NUM_SAMPLES)]
     outputs = llm.chat(chats, params, use_tqdm=False)
     yield params, outputs
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # now: `del llm` leaves the engine processes to the garbage collector
 
 
 @pytest.mark.slow  # a vLLM engine of its own (~40 s), the model served as vLLM serves it (its own chat rendering)
