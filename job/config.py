@@ -96,7 +96,9 @@ class GenerateConfig:
     """An engine that has not started after this long (load, compile, CUDA graphs) ends the run with an error
     naming the host; 0 = wait for ever. The 27B on a B200 starts in ~5-7 min."""
     hang_timeout_s: float = 900
-    """An engine with requests in flight that finishes none for this long is declared hung and replaced."""
+    """An engine with requests in flight that finishes none for this long is declared hung and replaced; 0 = no
+    watchdog (as engine_start_timeout_s: 0 waits for ever). Keep it well above the slowest single request's time:
+    a request that runs longer than this with nothing else finishing counts as a hang."""
 
     def __post_init__(self):
         if self.rows_per_shard < 1:
@@ -104,6 +106,10 @@ class GenerateConfig:
         if self.max_engines is not None and (self.max_engines < 1 or self.max_engines < (self.num_engines or 1)):
             raise ConfigError(f"config: generate.max_engines ({self.max_engines}) must be >= 1 and >= "
                               f"generate.num_engines ({self.num_engines})")
+        for knob in ("engine_start_timeout_s", "hang_timeout_s"):
+            if getattr(self, knob) < 0:
+                raise ConfigError(f"config: generate.{knob} must be >= 0 seconds (0 = no limit), "
+                                  f"got {getattr(self, knob)}")
         if self.regenerate not in REGENERATE_MODES:
             raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
                               f"got {self.regenerate!r}")

@@ -99,10 +99,6 @@ def tiny_hybrid_dir() -> str:
     return ensure_tiny_model(str(REPO / ".cache" / "tiny-hybrid"), architecture="hybrid")
 
 
-# vLLM arguments the hybrid needs: text prompts only (no vision encoder profiling).
-HYBRID_ENGINE_KWARGS = {"language_model_only": True}
-
-
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
@@ -364,7 +360,8 @@ class SharedRun:
 def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
     """Stage 1 over an S3 input into an S3 output through a proxy that fails ~17 % of requests (503 SlowDown and
     dropped connections: retried), with the canary on its first 16 rows and a --limit that leaves the input's last 3
-    rows out; a rerun that finds nothing to do; stage 2 on the same S3 run (direct to moto). ~70 s here.
+    rows out, and no hang watchdog (`hang_timeout_s: 0`); a rerun that finds nothing to do; stage 2 on the same S3
+    run (direct to moto). ~70 s here.
     Local copies are taken between the stages and at the end."""
     from pyarrow import fs as pafs
 
@@ -390,7 +387,9 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
         config = load_config(DEMO_CONFIG, model=tiny_model_dir, input=f"s3://{bucket}/prompts", output=output,
                              limit=limit, **{"storage.endpoint_url": proxy.url, "storage.retry_base_s": 0.05,
                                              "generate.rows_per_shard": SHARED_ROWS_PER_SHARD,
-                                             "quality.canary_rows": 16})
+                                             "quality.canary_rows": 16,
+                                             # 0 = no hang watchdog (it once meant: every engine declared hung)
+                                             "generate.hang_timeout_s": 0})
         summary = run_generate(config)
         started = time.monotonic()
         rerun = run_generate(config)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import (BAD_ROWS, BEYOND_LIMIT, DEMO_CONFIG, HYBRID_ENGINE_KWARGS, NUM_PLAIN, read_run,
+from conftest import (BAD_ROWS, BEYOND_LIMIT, DEMO_CONFIG, NUM_PLAIN, read_run,
                       shared_input_files, shared_input_rows, simple_prompts, write_prompts)
 
 from job.config import load_config
@@ -104,17 +104,23 @@ def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared
     {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
 ], ids=["prefix-caching", "mtp"])
 @pytest.mark.slow  # the hybrid model; an engine start (~50 s) each
-def test_hybrid_end_to_end(tmp_path, make_config, tokenizer, tiny_hybrid_dir, engine, local_ray):
+def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid_dir, engine, local_ray):
+    """The checkpoint is Qwen3_5ForConditionalGeneration (vision tower included) without a preprocessor_config.json,
+    as a user's text-only copy of the target may be: no engine setting names `language_model_only`, the job sets
+    it and says so (vLLM's multimodal processor used to fail at start-up)."""
     rows = shared_input_rows()
     inp = write_mixed_input(tmp_path / "in", rows)
     mtp = "speculative_config" in engine
     # Without top_k a tiny model wanders off the format (word salad, think blocks left open): no canary then.
     sampling = {"max_tokens": 128, "top_k": -1} if mtp else {"max_tokens": 512}
     config = make_config(model=tiny_hybrid_dir, input=inp, output=str(tmp_path / "run"),
-                         engine_kwargs={**load_config(DEMO_CONFIG).engine_kwargs, **HYBRID_ENGINE_KWARGS, **engine},
+                         engine_kwargs={**load_config(DEMO_CONFIG).engine_kwargs, **engine},
                          **{"generate.rows_per_shard": 16, "generate.sampling": sampling,
                             "quality.canary_rows": 0 if mtp else 32})
+    assert "language_model_only" not in config.engine_kwargs
     summary = run_generate(config)
+    assert "Qwen3_5ForConditionalGeneration is a multimodal checkpoint and the prompts are text: " \
+           "engine_kwargs.language_model_only: true" in capsys.readouterr().out
     assert summary.num_rows == len(rows)
     table = read_run(config.output)
     check_completions(table, tokenizer, rows)  # the hybrid shares the tokenizer and template
@@ -131,7 +137,7 @@ def test_hybrid_mtp_with_prefix_caching_on_cpu_is_refused_once(tmp_path, make_co
     is a Triton kernel): without a check the engine actor would be replaced forever."""
     inp = write_prompts(tmp_path / "in", simple_prompts(8))
     config = make_config(model=tiny_hybrid_dir, input=inp, output=str(tmp_path / "run"), engine_kwargs={
-        **load_config(DEMO_CONFIG).engine_kwargs, **HYBRID_ENGINE_KWARGS,
+        **load_config(DEMO_CONFIG).engine_kwargs,
         "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
     with pytest.raises(EngineStartError, match="cannot run MTP with prefix caching.*enable_prefix_caching: false"):
         run_generate(config)

