@@ -27,11 +27,13 @@ demo: install
 
 # Two tiers (README, "Tests"; markers in tests/conftest.py). Every run prints the 30 slowest tests and each tier's
 # time, and writes a JUnit XML to test-results/ (CI keeps it with the run's output).
-# Two pytest-xdist workers: a test spends most of its time waiting on one core (vLLM's engine processes import
-# torch and vLLM one after another), so two workers nearly halve the wall time on 2 cores. TEST_WORKERS=0: one
-# process. The tiny model is built first, once, by this process (the workers would wait on its lock).
+# Two pytest-xdist workers, one file each at a time (`--dist loadfile`: a file's session and module fixtures, such
+# as the shared run, are made once), longest files first (tests/conftest.py FILE_SECONDS, kept in that order with
+# --no-loadscope-reorder). Much of a test is one process waiting for another (an engine starting, Ray, S3), so two
+# workers on 2 cores finish in less time than one. TEST_WORKERS=0: one process. The tiny model is built first, once,
+# by this process (the workers would wait on its lock).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 TINY_MODEL := .cache/tiny-model/build_info.json
 $(TINY_MODEL): $(STAMP) job/tiny_model.py job/data/corpus.txt
 	$(PY) -c "from job.tiny_model import ensure_tiny_model; ensure_tiny_model('.cache/tiny-model')"

@@ -101,6 +101,36 @@ class EngineCensus:
     replaced: int = 0
 
 
+def stage_actors(since_s: float = 0.0) -> list[dict]:
+    """This job's Ray Data map actors (engines, extractors) created after `since_s` (time.time()), as GCS records."""
+    import ray
+    from ray._private import state
+
+    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    return [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")
+            and (a.get("StartTime") or a.get("Timestamp") or 0) / 1000 >= since_s - 1]
+
+
+def kill_stage_actors(since_s: float) -> int:
+    """Kill this job's map actors created after `since_s` that are still alive; returns how many. For a failed stage:
+    Ray Data lets go of its actors only when its executor is collected, which a failed dataset's is not (measured:
+    an engine actor still ALIVE 40 s after the error), so a driver that lives on (a notebook, a test session) would
+    keep the engine and its memory (a GPU on a cluster). By actor id: Ray Data holds the handles; `ray.kill` does
+    the same through a handle."""
+    import ray
+    from ray._private import worker
+
+    killed = 0
+    for a in stage_actors(since_s):
+        if a.get("State") in ("ALIVE", "PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREADY"):
+            try:
+                worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(a["ActorID"]), True)
+                killed += 1
+            except Exception:  # gone meanwhile
+                pass
+    return killed
+
+
 def engine_census(since_s: float = 0.0) -> EngineCensus | None:
     """Counted from the GCS actor table (no dashboard needed). None outside Ray. An actor is ALIVE once its
     __init__ (the engine load) returned; RESTARTING after its process or node died, until Ray starts it again.
@@ -110,11 +140,7 @@ def engine_census(since_s: float = 0.0) -> EngineCensus | None:
 
     if not ray.is_initialized():
         return None
-    from ray._private import state
-
-    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    actors = [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")
-              and (a.get("StartTime") or a.get("Timestamp") or 0) / 1000 >= since_s - 1]
+    actors = stage_actors(since_s)
     alive = [a for a in actors if a.get("State") == "ALIVE"]
     restarts = sum(int(a.get("NumRestarts") or 0) for a in actors)
     # A DEAD actor was either let go by Ray Data (scale-down, end of the stage: "references ... removed") or died

@@ -26,7 +26,6 @@ from job.export import ExportError, collate, export, make_plan, stream
 from job.hidden_states import load, run_hidden_states
 
 # With two workers (pytest-xdist), on one: the module's runs (per model) are made once.
-pytestmark = pytest.mark.xdist_group("export")
 
 LAYERS = [0, 1, 2, -1]  # the tiny models have 4 decoder layers: aux 0, 1, 2 and the last (3)
 

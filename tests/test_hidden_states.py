@@ -31,8 +31,6 @@ from job.hidden_states.transformers_backend import TransformersExtractor, load_m
 from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
 from job.runs import RunError
 
-# With two workers (pytest-xdist), on one: the module's runs (float32_run, per model) are made once.
-pytestmark = pytest.mark.xdist_group("hidden_states")
 
 SHARDS = ((0, 8), (8, 20), (20, 26))  # stage-1 shard row ranges
 MAX_LENGTH = 128

