@@ -123,7 +123,8 @@ def hs_config(model_dir: str, run: str, before_norm: bool) -> RunConfig:
 
 @pytest.fixture(scope="module", params=["dense", pytest.param("hybrid", marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory, s3_server):
-    """{False: run after the norm, True: run before the norm} of one tiny model, and the model directory."""
+    """{False: run after the norm, True: run before the norm} of one tiny model, and the model directory. ~40-100 s:
+    two stage-2 runs (the two conventions for the last layer are what the exports differ in), made once per model."""
     ensure_local_ray()
     model_dir = request.getfixturevalue("tiny_model_dir" if request.param == "dense" else "tiny_hybrid_dir")
     vocab = json.load(open(os.path.join(model_dir, "config.json"))).get("vocab_size") or 3840

@@ -248,6 +248,8 @@ def test_packed_and_padded_batches_both_equal_transformers(model_dir, vocab_size
 
 
 def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size, tmp_path, capsys):
+    # ~45-75 s: five stage-2 jobs on one run (a limit, the rest, a crash's rerun, drift refused and allowed), each a
+    # Ray Data job with its extractor actors loading the model; resuming between jobs is what is tested.
     run = str(tmp_path)
     rows = completion_rows(vocab_size, seed=2)
     write_completions(run, rows)

@@ -87,6 +87,8 @@ def test_canary_verdict_thresholds(totals, bad_words):
 
 
 def test_wrong_template_trips_the_canary_early_then_report_reads_the_partial_run(tmp_path, make_config, local_ray):
+    # ~45-65 s: an engine start (the canary judges what the engine generates with the wrong template; the shared run
+    # has the right one and must pass it).
     rows = simple_prompts(400)
     template = str(Path(__file__).parent / "data" / "llama3_chat_template.jinja")
     config = make_config(input=write_prompts(tmp_path / "in", rows), output=str(tmp_path / "run"),
