@@ -352,7 +352,6 @@ class SharedRun:
     config: object  # the RunConfig stage 1 ran with (its endpoint: the fault proxy, since closed)
     summary: object  # stage 1's GenerateSummary
     rerun: object  # the rerun's summary: nothing to do
-    rerun_seconds: float
     num_s3_faults: int
     hidden_states: dict  # stage 2's summary
     bucket: str
@@ -397,9 +396,7 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
                                              # 0 = no hang watchdog (it once meant: every engine declared hung)
                                              "generate.hang_timeout_s": 0})
         summary = run_generate(config)
-        started = time.monotonic()
         rerun = run_generate(config)
-        rerun_seconds = time.monotonic() - started
         num_faults = proxy.num_faults
 
     base = tmp_path_factory.mktemp("shared-run")
@@ -414,7 +411,7 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
     hidden = run_hidden_states(stage2_config)
     full = copy_to(base / "full")
     return SharedRun(s3=output, full=full, stage1=stage1, input_uri=f"s3://{bucket}/prompts", rows=rows[:limit],
-                     model=tiny_model_dir, config=config, summary=summary, rerun=rerun, rerun_seconds=rerun_seconds,
+                     model=tiny_model_dir, config=config, summary=summary, rerun=rerun,
                      num_s3_faults=num_faults, hidden_states=hidden, bucket=bucket)
 
 
