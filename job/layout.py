@@ -7,6 +7,8 @@ parsed; the column schemas are in job/schema.py.
     <output>/hidden_states/f00000-r0000000000-0000000256-p0003.arrow   stage 2: the parts of one completion shard
     <output>/hidden_states/_done/f00000-r0000000000-0000000256.json    stage 2: that shard's done marker
     <output>/reports/generate.json, reports/hidden_states.json   what each stage reports when it ends
+    <output>/locks/generate.json, locks/hidden_states.json   each stage's writer lock and fencing epoch (job/lock.py)
+    <output>/quarantine/completions/<shard>.<time>       a completion shard that could not be read whole, moved aside
 
 Words used across the package:
 - a *unit* is the work of one Ray task, and the resume bookkeeping's atom: it is done or not;
@@ -27,6 +29,8 @@ ATTEMPTS_DIR = "attempts"
 HIDDEN_STATES_DIR = "hidden_states"
 DONE_DIR = "_done"
 REPORTS_DIR = "reports"
+LOCKS_DIR = "locks"
+QUARANTINE_DIR = "quarantine"
 SHARD_SUFFIX = ".arrow"
 GENERATE_REPORT = "generate.json"
 HIDDEN_STATES_REPORT = "hidden_states.json"
@@ -78,6 +82,11 @@ def parse_completion_shard_name(name: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
+def lock_name(stage: str) -> str:
+    """Each stage has its own writer lock: stage 2 may run beside stage 1 (it takes the shards committed so far)."""
+    return f"{LOCKS_DIR}/{stage}.json"
+
+
 def attempts_name(unit: CompletionUnit) -> str:
     return f"{ATTEMPTS_DIR}/{unit.stem}.json"
 
@@ -97,7 +106,10 @@ class HiddenStateUnit:
     """Rows this unit reads from the shard (all of them, or the first `row_limit`)."""
     row_limit: int | None = None
     existing: list[str] = field(default_factory=list)
-    """Names of this unit's files already under hidden_states/ (the driver lists once for all units)."""
+    """Names of this unit's files already under hidden_states/ (the driver lists once for all units), without
+    `stale` markers."""
+    stale: list[str] = field(default_factory=list)
+    """Markers of this shard made from another content of it (the driver deletes them; not sent to actors)."""
 
     @property
     def tag(self) -> str:

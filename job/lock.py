@@ -1,196 +1,223 @@
-"""The writer lock: one job writes one output at a time.
+"""The writer lock of each stage, with fencing: one job writes one stage of one output at a time, and a job that
+lost its lock commits nothing more.
 
-`<output>/lock.json` is a lease with fencing, built on conditional writes:
-- taken with a create-if-absent (S3 `If-None-Match: *`; locally `O_CREAT | O_EXCL`): of two jobs starting at the
-  same moment exactly one wins;
-- renewed every LOCK_HEARTBEAT_S with a replace-if-unchanged (S3 `If-Match: <our ETag>`): a job whose lock was
-  taken over learns it at its next renewal and stops (its main thread is interrupted), instead of writing on;
-- judged stale by the storage's own clock (S3: the object's LastModified against the same response's Date), never
-  by comparing two machines' clocks;
-- released with a delete-if-unchanged, so a job never deletes a lock another job holds now.
+`<output>/locks/<stage>.json` (job/layout.py) is a lease built on conditional writes:
+- taken with a create-if-absent (S3 `If-None-Match: *`; locally a link, under a `flock`) or, when the previous
+  holder released it, went stale or died, with a replace-if-unchanged (S3 `If-Match: <ETag>`): of two jobs
+  starting at the same moment exactly one wins;
+- every acquisition raises the lock's **epoch** by one (a release keeps the file and its epoch: the epoch only
+  grows). The holder's (owner, epoch) is its fencing token;
+- renewed every LOCK_HEARTBEAT_S with a replace-if-unchanged; judged stale by the storage's own clock (S3: the
+  object's LastModified against the same response's Date), never by comparing two machines' clocks;
+- a holder that learns at a renewal that its lock was taken interrupts its main thread and, if that does not end
+  the process within LOST_GRACE_S (SIGINT ignored: a job started with `&`, under nohup, CI or a scheduler), exits
+  the process;
+- **every commit is fenced** (`Fence.guard`, handed to every actor): a completion shard, a stage-2 part or
+  marker, run.json and the reports are committed only while the lock still holds the writer's (owner, epoch).
+  Locally the check and the rename happen under the same `flock` as the lock's own replace, so a take-over and a
+  stale commit cannot interleave. On S3 the check comes right before the one PUT that commits; a job that takes
+  a live lock over waits TAKEOVER_SETTLE_S before it lists the output, so a commit checked just before the
+  take-over has landed by then.
 
-Two writers used to cut different unit boundaries and write every remaining row twice under different names;
-with fencing the second writer is refused, or the first one stops.
+A lock is judged dead at once (no waiting for staleness) only when its holder ran on this very machine and
+container (same hostname, boot id and pid namespace) and its process is gone or its pid now belongs to a process
+started later. Containers repeat hostnames and pids; a boot id and a pid namespace they do not share.
 """
 
 from __future__ import annotations
 
 import _thread
-import hashlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
-from email.utils import parsedate_to_datetime
-from urllib.parse import urlparse
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-from job import storage
-from job.config import RunConfig
+from job import layout, storage
 from job.runs import RunError
 
-LOCK_NAME = "lock.json"
 LOCK_HEARTBEAT_S = 30.0
 LOCK_STALE_S = 120.0  # a lock not renewed for this long belongs to a dead driver
+LOST_GRACE_S = 10.0  # after losing its lock, a driver whose main thread is not interrupted exits the process
+TAKEOVER_SETTLE_S = 10.0  # S3: a commit checked just before a take-over lands within this (one PUT)
+LOCK_LOST_EXIT_CODE = 75
 
 
 class LockError(RunError):
-    """Another job holds this output's lock, or took it over from us."""
+    """Another job holds this stage's lock, or took it over from us."""
 
 
-class _Conflict(Exception):
-    """A conditional write or delete failed: the lock is not what we expected."""
+class FencedOut(LockError):
+    """A commit refused: this writer's lock was taken over (its fencing token is no longer current)."""
 
 
-class _S3Lock:
-    def __init__(self, uri: str, config: storage.StorageConfig):
-        import boto3
-
-        parsed = urlparse(uri)
-        self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
-        self.client = boto3.client("s3", endpoint_url=storage.s3_endpoint(config),
-                                   region_name=storage.s3_region(config))
-
-    def _call(self, method: str, **kwargs):
-        from botocore.exceptions import ClientError
-
-        try:
-            return getattr(self.client, method)(Bucket=self.bucket, Key=self.key, **kwargs)
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                raise _Conflict(code) from None
-            if code in ("NoSuchKey", "404"):
-                raise FileNotFoundError(self.key) from None
-            raise
-
-    def create(self, body: bytes) -> str:
-        return self._call("put_object", Body=body, IfNoneMatch="*")["ETag"]
-
-    def replace(self, body: bytes, etag: str) -> str:
-        return self._call("put_object", Body=body, IfMatch=etag)["ETag"]
-
-    def read(self) -> tuple[dict, str, float]:
-        """(content, etag, age in seconds by the server's clock)."""
-        r = self._call("get_object")
-        server_now = parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
-        return json.loads(r["Body"].read()), r["ETag"], (server_now - r["LastModified"]).total_seconds()
-
-    def delete(self, etag: str) -> None:
-        self._call("delete_object", IfMatch=etag)
+# ---------------------------------------------------------------------------------------------------------------
+# Which process holds a lock: identities that containers do not repeat
+# ---------------------------------------------------------------------------------------------------------------
 
 
-class _LocalLock:
-    """The same operations on a local file (one machine: its clock is the storage's clock)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    @staticmethod
-    def _etag(body: bytes) -> str:
-        return hashlib.sha256(body).hexdigest()
-
-    def create(self, body: bytes) -> str:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(body)
-        try:  # link: create-if-absent with the whole content at once (a reader never sees an empty lock)
-            os.link(tmp, self.path)
-        except FileExistsError:
-            raise _Conflict("exists") from None
-        finally:
-            os.remove(tmp)
-        return self._etag(body)
-
-    def replace(self, body: bytes, etag: str) -> str:
-        try:
-            with open(self.path, "rb") as f:
-                if self._etag(f.read()) != etag:
-                    raise _Conflict("changed")
-        except FileNotFoundError:
-            raise _Conflict("gone") from None
-        tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, self.path)
-        return self._etag(body)
-
-    def read(self) -> tuple[dict, str, float]:
-        with open(self.path, "rb") as f:
-            body = f.read()
-        return json.loads(body), self._etag(body), time.time() - os.path.getmtime(self.path)
-
-    def delete(self, etag: str) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                if self._etag(f.read()) != etag:
-                    raise _Conflict("changed")
-            os.remove(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def _owner_is_dead(owner: str) -> bool:
-    """True when the lock was taken on this host by a process that no longer exists (a killed driver rerun on
-    the same machine resumes at once instead of waiting for the lock to go stale)."""
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
+def _read(path: str) -> str | None:
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if there is no such
+    process. With the boot id it names one process for good: a pid reused later has another start time."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after "(comm)": state is field 3, starttime field 22
+
+
+def host_identity() -> dict:
+    """This process, as a lock records it: hostname for people; boot id, pid namespace, pid and start time to
+    decide whether the holder is gone."""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns,
+            "pid": os.getpid(), "started": _process_start(os.getpid())}
+
+
+def owner_is_dead(held: dict) -> bool:
+    """True only when the holder ran on this machine, in this container (same host, boot id and pid namespace), and
+    its process is gone or its pid now belongs to a later process. Anything else — another host, another
+    container with the same hostname, a lock from before identities were recorded — is alive until stale."""
+    me = host_identity()
+    who = held.get("holder") or {}
+    if not who or any(who.get(k) is None or who.get(k) != me[k] for k in ("host", "boot_id", "pid_ns")):
         return False
-    return False
+    started = _process_start(int(who.get("pid", -1)))
+    return started is None or started != who.get("started")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fence every commit goes through, and the lock
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A writer's fencing token: picklable, handed to every actor of the stage. `guard()` wraps a commit."""
+    uri: str
+    owner: str
+    epoch: int
+    storage_config: storage.StorageConfig
+
+    def _store(self):
+        store = getattr(self, "_cached", None)
+        if store is None:
+            store = storage.conditional_object(self.uri, self.storage_config)
+            object.__setattr__(self, "_cached", store)
+        return store
+
+    def _check(self, store) -> None:
+        try:
+            if isinstance(store, storage.LocalObject):  # the caller holds the flock already
+                held = json.loads(store.body())
+            else:
+                held = store.read()[0]
+        except FileNotFoundError:
+            held = {}
+        if held.get("released") or held.get("owner") != self.owner or held.get("epoch") != self.epoch:
+            now = "released" if held.get("released") else f"held by {held.get('owner')} (epoch {held.get('epoch')})"
+            raise FencedOut(f"stopped: another job took over this stage's writer lock (it is {now}; this job had "
+                            f"epoch {self.epoch}): this job commits nothing more. Every file committed so far is "
+                            "whole; the job that holds the lock now continues the run.")
+
+    def check(self) -> None:
+        store = self._store()
+        with store.exclusive():
+            self._check(store)
+
+    @contextmanager
+    def guard(self):
+        """`with fence.guard(): <commit>`: the commit happens only while this writer's token is current; locally
+        no take-over can happen between the check and the commit."""
+        store = self._store()
+        with store.exclusive():
+            self._check(store)
+            yield
+
+    def __getstate__(self):
+        return {"uri": self.uri, "owner": self.owner, "epoch": self.epoch, "storage_config": self.storage_config}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
 
 
 class WriterLock:
-    """`with WriterLock(config, "generate"):` — see the module docstring. `take_over` takes a lock another job
-    holds (--take-lock: only when that job is dead); that job then stops at its next renewal."""
+    """`with WriterLock(config, "generate") as held:` — see the module docstring; `held.fence` guards commits.
+    `take_over` takes a lock another job holds (--take-lock: meant for a job that is dead; one that is alive
+    commits nothing more and stops)."""
 
-    def __init__(self, config: RunConfig, stage: str, take_over: bool = False):
-        uri = storage.join(config.output, LOCK_NAME)
-        self.store = _S3Lock(uri, config.storage) if storage.is_s3(uri) else _LocalLock(os.path.abspath(uri))
+    def __init__(self, config, stage: str, take_over: bool = False):
+        uri = storage.join(config.output, layout.lock_name(stage))
+        self.uri, self.storage_config = uri, config.storage
+        self.store = storage.conditional_object(uri, config.storage)
         self.stage = stage
         self.take_over = take_over
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        self.holder = host_identity()
+        self.token = f"{self.holder['host']}:{self.holder['pid']}:{uuid.uuid4().hex[:8]}"
+        self.epoch = 0
         self.etag: str | None = None
         self.lost: str | None = None
         self._last_renewal = 0.0
         self._stop = threading.Event()
+        self._exited = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _body(self) -> bytes:
-        return json.dumps({"owner": self.token, "stage": self.stage, "heartbeat": time.time()}).encode()
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.uri, self.token, self.epoch, self.storage_config)
+
+    def _body(self, **extra) -> bytes:
+        return json.dumps({"owner": self.token, "epoch": self.epoch, "stage": self.stage, "holder": self.holder,
+                           "heartbeat": time.time(), **extra}).encode()
 
     def __enter__(self):
-        for _ in range(3):  # a lock released between our create and our read: try again
+        took_live = False
+        for _ in range(5):  # a lock released or replaced between our create and our read: try again
+            self.epoch = 1
             try:
                 self.etag = self.store.create(self._body())
                 break
-            except _Conflict:
+            except storage.Conflict:
                 pass
             try:
                 held, etag, age = self.store.read()
             except FileNotFoundError:
                 continue
-            if not self.take_over and age < LOCK_STALE_S and not _owner_is_dead(str(held.get("owner", ""))):
-                raise LockError(f"another job is writing to this output right now ({held.get('stage')} by "
+            self.epoch = int(held.get("epoch") or 0) + 1
+            free = bool(held.get("released")) or age >= LOCK_STALE_S or owner_is_dead(held)
+            if not free and not self.take_over:
+                raise LockError(f"another job is writing to this output right now ({self.stage} by "
                                 f"{held.get('owner')}, renewed {age:.0f} s ago). Wait for it to finish, or if it is "
                                 f"dead, rerun in {LOCK_STALE_S - age:.0f} s (its lock goes stale) or pass "
                                 "--take-lock.")
             try:
                 self.etag = self.store.replace(self._body(), etag)
+                took_live = not free
                 break
-            except _Conflict:
-                raise LockError("another job took this output's lock at the same moment; run `status` and retry "
-                                "if that job is not running") from None
+            except storage.Conflict:
+                continue
         else:
             raise LockError("could not take this output's lock (it kept changing); is another job starting?")
         self._last_renewal = time.monotonic()
+        if took_live and storage.is_s3(self.uri):
+            print(f"lock: took over a live lock (epoch {self.epoch}); waiting {TAKEOVER_SETTLE_S:.0f} s for a commit "
+                  "the previous holder may have had in flight", flush=True)
+            time.sleep(TAKEOVER_SETTLE_S)
         self._thread = threading.Thread(target=self._beat, daemon=True, name="writer-lock")
         self._thread.start()
         return self
@@ -200,8 +227,8 @@ class WriterLock:
         try:
             self.etag = self.store.replace(self._body(), self.etag)
             self._last_renewal = time.monotonic()
-        except _Conflict:
-            self.lost = "another job took over this output's writer lock (--take-lock, or it judged ours stale)"
+        except storage.Conflict:
+            self.lost = "another job took over this stage's writer lock (--take-lock, or it judged ours stale)"
         except Exception:  # storage trouble: retried at the next beat, until the lease could have gone stale
             if time.monotonic() - self._last_renewal > LOCK_STALE_S - LOCK_HEARTBEAT_S:
                 self.lost = (f"the writer lock could not be renewed for {LOCK_STALE_S - LOCK_HEARTBEAT_S:.0f} s, so "
@@ -212,20 +239,27 @@ class WriterLock:
             self.renew()
             if self.lost and not self._stop.is_set():
                 _thread.interrupt_main()  # the driver stops writing; __exit__ says why
+                if not self._exited.wait(LOST_GRACE_S):
+                    # SIGINT is ignored in this process (`&`, nohup, a scheduler): nothing else would stop it. Its
+                    # actors commit nothing more (fenced); ending the driver ends them.
+                    print(f"error: stopped: {self.lost}. This job commits nothing more and exits now "
+                          f"(exit code {LOCK_LOST_EXIT_CODE}).", file=sys.stderr, flush=True)
+                    os._exit(LOCK_LOST_EXIT_CODE)
                 return
 
     def __exit__(self, exc_type, exc, tb):
+        self._exited.set()
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
         if not self.lost:
-            try:
-                self.store.delete(self.etag)
-            except _Conflict:  # not ours any more: leave it to its holder
+            try:  # released, not deleted: the epoch stays with the lock and only grows
+                self.store.replace(self._body(released=True), self.etag)
+            except Exception:  # not ours any more (leave it to its holder), or storage trouble (it goes stale)
                 pass
-            except Exception:  # it goes stale by itself
-                pass
+        if isinstance(exc, FencedOut):
+            return False
         if self.lost and (exc_type is None or issubclass(exc_type, KeyboardInterrupt)):
-            raise LockError(f"stopped: {self.lost}. Every shard written so far is whole; the job that holds the lock "
+            raise LockError(f"stopped: {self.lost}. Every file committed so far is whole; the job that holds the lock "
                             "now continues the run.") from None
         return False

@@ -391,7 +391,7 @@ def render_sample(row: dict, tokenizer=None, max_chars: int = 1200) -> str:
 
 
 def hidden_state_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    return [uri for uri, _ in scan.hidden_state_parts(run_uri, storage_config)]
+    return [uri for uri, _ in scan.done_hidden_state_parts(run_uri, storage_config)]
 
 
 def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = None) -> dict | None:
@@ -588,7 +588,7 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
            "projected_bytes": int(round(tokens_per_row * rows_total * layout["bytes_per_token"])) if layout else None,
            "stored_bytes": None, "stored_tokens": None, "stored_bytes_per_token": None,
            "stage2_estimate": ov["hidden_states_estimate"]}
-    parts = scan.hidden_state_parts(run_uri, storage_config)
+    parts = scan.done_hidden_state_parts(run_uri, storage_config)
     if parts:
         counts = scan.read_shard_tables([uri for uri, _ in parts], [schema.NUM_TOKENS], storage_config)
         out["stored_bytes"] = sum(size for _, size in parts)

@@ -12,6 +12,7 @@ from collections import Counter
 import numpy as np
 
 from job import layout, scan, schema, storage
+from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
 _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
@@ -31,11 +32,15 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 
 def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
-    from job.runs import read_run_json
-
     storage_config = storage_config or StorageConfig()
-    run = read_run_json(run_uri, storage_config) or {}
-    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config)
+    run = read_run_json(run_uri, storage_config)
+    if run is None:
+        raise RunError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: `generate` "
+                       "writes it before the first shard)")
+    listed = scan.list_completion_shards(run_uri, storage_config)
+    problems = scan.unreadable(scan.check_completion_shards(listed, storage_config))
+    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config,
+                              shards=[s.uri for s in listed if s.name not in problems])
     errors = table.column(schema.ERROR).to_pylist()
     ok_mask = scan.ok_rows(table)
     num_ok = int(ok_mask.sum())
@@ -64,6 +69,7 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> d
         "finish_reasons": dict(Counter(r for r, ok in zip(table.column(schema.FINISH_REASON).to_pylist(), ok_mask)
                                        if ok)),
         "error_kinds": dict(Counter(error_kind(e) for e in errors if e is not None)),
+        "unreadable_shards": problems,
     }
 
 
@@ -79,12 +85,17 @@ def format_report(report: dict) -> str:
               for name, v in report["tokens"].items()]
     lines.append("finish reasons: " + (", ".join(f"{k}={v:,}" for k, v in report["finish_reasons"].items()) or "-"))
     lines.append("error kinds: " + (", ".join(f"{k}={v:,}" for k, v in report["error_kinds"].items()) or "none"))
+    if report.get("unreadable_shards"):
+        lines.append(scan.unreadable_line(report["unreadable_shards"], "not counted here; the next `generate` on "
+                                          "this output moves them aside to quarantine/ and generates their rows again"))
     return "\n".join(lines)
 
 
-def write_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
+def write_report(run_uri: str, storage_config: StorageConfig | None = None, guard=None) -> dict:
+    """Build the report and store it (`guard`: the writer lock's fence, when a stage writes it)."""
     report = build_report(run_uri, storage_config)
-    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config)
+    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
+                       guard)
     return report
 
 

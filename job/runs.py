@@ -10,7 +10,9 @@ never see them either.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -140,17 +142,38 @@ def check_drift(previous: dict, current: dict, allow_drift: bool, consequence: s
     return changed
 
 
-def write_run_json(config: RunConfig, stage_key: str, stage_info: dict) -> None:
+def write_run_json(config: RunConfig, stage_key: str, stage_info: dict, fence=None) -> None:
+    """Merge `stage_info` into run.json's `stage_key` section. Two stages may run at once (each has its own writer
+    lock), so the update is a read-modify-write made conditional on run.json being unchanged since the read (S3
+    If-Match; locally under a flock), retried on a conflict. `fence` (the stage's job/lock.py Fence): the write
+    happens only while this job still holds its stage's lock."""
     uri = run_json_uri(config.output)
-    data = storage.read_json(uri, config.storage) if storage.exists(uri, config.storage) else {}
+    store = storage.conditional_object(uri, config.storage)
     provenance = {"config": to_dict(config), "versions": package_versions(), "git_sha": git_sha()}
-    if stage_key == "generate" or "config" not in data:
-        data.update(provenance)  # the run's own: stage 1's config (rows per shard, sampling, input)
-    else:  # a later stage keeps stage 1's provenance and records its own beside it
-        stage_info = {**stage_info, "provenance": provenance}
-    data.setdefault("created_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    data[stage_key] = {**data.get(stage_key, {}), **stage_info}
-    storage.write_json(uri, redact(data), config.storage)
+    guard = fence.guard if fence is not None else contextlib.nullcontext
+    for _ in range(20):
+        try:
+            data, etag, _ = store.read()
+        except FileNotFoundError:
+            data, etag = {}, None
+        info = dict(stage_info)
+        if stage_key == "generate" or "config" not in data:
+            data.update(provenance)  # the run's own: stage 1's config (rows per shard, sampling, input)
+        else:  # a later stage keeps stage 1's provenance and records its own beside it
+            info["provenance"] = provenance
+        data.setdefault("created_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        data[stage_key] = {**data.get(stage_key, {}), **info}
+        body = json.dumps(redact(data), indent=2, sort_keys=True, default=str).encode() + b"\n"
+        try:
+            with guard():
+                if etag is None:
+                    store.create(body)
+                else:
+                    store.replace(body, etag)
+            return
+        except storage.Conflict:  # the other stage wrote in between: read again and merge again
+            time.sleep(0.05)
+    raise RunError(f"{uri}: could not update it (it kept changing under this job)")
 
 
 def read_run_json(output: str, storage_config) -> dict | None:

@@ -138,3 +138,139 @@ def hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None
     directory = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
     return [(storage.join(directory, name), size)
             for name, size, _ in storage.list_file_infos(directory, layout.SHARD_SUFFIX, storage_config)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trusting a completion shard, and the one rule of when stage 2 is done with it
+# ---------------------------------------------------------------------------------------------------------------
+
+REQUIRED_COMPLETION_COLUMNS = (schema.ID, schema.ERROR)
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """What a completion shard's footer says: its content id (job/schema.py META_SHARD_ID; None for a shard written
+    before ids were recorded), or why it cannot be trusted (`problem`: truncated, zero bytes, wrong schema)."""
+    shard_id: str | None = None
+    problem: str | None = None
+
+
+def check_completion_shard(shard: CompletionShard, storage_config: StorageConfig | None = None) -> ShardCheck:
+    if shard.size == 0:
+        return ShardCheck(problem="zero bytes")
+    try:
+        s = storage.read_shard_schema(shard.uri, storage_config)
+    except (pa.ArrowInvalid, OSError) as e:  # no footer: cut short by a copy, a full disk, a tool
+        if isinstance(e, FileNotFoundError):  # moved aside or regenerated since the listing: not ours to judge
+            return ShardCheck()
+        first = (str(e).strip().splitlines() or [""])[0]
+        return ShardCheck(problem=f"not a whole Arrow file ({first}; {shard.size:,} bytes: truncated?)")
+    missing = [c for c in REQUIRED_COMPLETION_COLUMNS if c not in s.names]
+    if missing:
+        return ShardCheck(problem=f"not a completion shard (no column {', '.join(missing)})")
+    meta = s.metadata or {}
+    return ShardCheck(shard_id=meta[schema.META_SHARD_ID].decode() if schema.META_SHARD_ID in meta else None)
+
+
+def check_completion_shards(shards: list[CompletionShard], storage_config: StorageConfig | None = None,
+                            num_threads: int = 16) -> dict[str, ShardCheck]:
+    """`check_completion_shard` of every shard (footers only, in a thread pool), by shard name."""
+    if not shards:
+        return {}
+    with ThreadPoolExecutor(min(num_threads, len(shards))) as pool:
+        return dict(zip((s.name for s in shards), pool.map(lambda s: check_completion_shard(s, storage_config),
+                                                            shards)))
+
+
+def unreadable(checks: dict[str, ShardCheck]) -> dict[str, str]:
+    """{shard name: problem} of the shards that cannot be trusted."""
+    return {name: c.problem for name, c in checks.items() if c.problem}
+
+
+def unreadable_line(problems: dict[str, str], what_now: str) -> str:
+    """One line naming every untrusted shard (the first 5 in full) and what happens to them."""
+    named = "; ".join(f"{name}: {why}" for name, why in list(problems.items())[:5])
+    more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+    return f"{len(problems)} completion shard(s) cannot be read whole ({named}{more}): {what_now}"
+
+
+def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:
+    """THE rule of whether a stage-2 marker still covers a completion shard (stage 2, `status`, the notebook and
+    export all come here): it was made from this content — the shard's size and content id as the marker recorded
+    them. A shard regenerated under the same name has another id; its old hidden states are stale. A marker from
+    before markers recorded their source counts only for a shard from before shards had ids."""
+    source = marker.get("source")
+    if not source:
+        return shard_id is None
+    return source.get("size") == shard.size and source.get("shard_id") == shard_id
+
+
+@dataclass
+class Stage2Markers:
+    """Stage 2's markers judged against the completion shards they cover."""
+    matching: dict[str, dict[int | None, tuple[str, dict]]]
+    """Completion shard name → {--limit or None: (marker name, marker)} of the markers that match its content."""
+    stale: dict[str, list[str]]
+    """Completion shard name → names of its markers made from other content (relative to hidden_states/)."""
+    files: list[tuple[str, int, float | None]]
+    """hidden_states/'s listing: (name, size, mtime)."""
+
+
+def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str, ShardCheck],
+                   storage_config: StorageConfig | None = None, num_threads: int = 32) -> Stage2Markers:
+    """One listing of hidden_states/, every marker of a listed shard read (one small GET each) and judged by
+    `marker_matches`."""
+    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
+    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
+    files = storage.list_file_infos(hidden_dir, "", storage_config)
+    by_stem: dict[str, list[tuple[str, int | None]]] = {}
+    for name, _, _ in files:
+        parsed = layout.parse_marker_name(name)
+        if parsed is not None:
+            by_stem.setdefault(parsed[0], []).append((name, parsed[1]))
+    wanted = [(shard, name, limit) for shard in shards
+              for name, limit in by_stem.get(layout.hidden_state_stem(shard.uri, completions_dir), [])]
+
+    def read(name: str) -> dict:
+        try:
+            return storage.read_json(storage.join(hidden_dir, name), storage_config)
+        except (FileNotFoundError, ValueError):  # deleted since the listing, or not JSON: covers nothing
+            return {"source": {"size": -1}}
+
+    with ThreadPoolExecutor(max(1, min(num_threads, len(wanted)))) as pool:
+        markers = list(pool.map(read, [name for _, name, _ in wanted]))
+    out = Stage2Markers(matching={}, stale={}, files=files)
+    for (shard, name, limit), marker in zip(wanted, markers):
+        check = checks.get(shard.name, ShardCheck())
+        if check.problem is None and marker_matches(marker, shard, check.shard_id):
+            out.matching.setdefault(shard.name, {})[limit] = (name, marker)
+        else:
+            out.stale.setdefault(shard.name, []).append(name)
+    return out
+
+
+def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:
+    """(URI, size) of the hidden-state parts that count, sorted by name: those of each completion shard's marker
+    that matches the shard's current content (the rule above; a full marker before any `--limit` one). Parts of an
+    unfinished unit, or made from an earlier content of a regenerated shard, are left out. What export, `load` and
+    the notebook read."""
+    shards = list_completion_shards(run_uri, storage_config)
+    checks = check_completion_shards(shards, storage_config)
+    markers = stage2_markers(run_uri, shards, checks, storage_config)
+    sizes = {name: size for name, size, _ in markers.files}
+    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
+    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
+    out = []
+    for shard in shards:
+        found = markers.matching.get(shard.name)
+        if not found:
+            continue
+        limit = None if None in found else max(found)
+        marker = found[limit][1]
+        stem = layout.hidden_state_stem(shard.uri, completions_dir)
+        tag = stem if limit is None else f"{stem}-n{limit}"
+        for j in range(int(marker.get("num_parts", 0))):
+            name = f"{tag}-p{j:04d}{layout.SHARD_SUFFIX}"
+            if name in sizes:
+                out.append((storage.join(hidden_dir, name), sizes[name]))
+    return sorted(out)

@@ -125,7 +125,12 @@ def hidden_state_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) 
     return num_layers * hidden_size * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA
 
 
+# Schema metadata key of a completion shard: a fresh id per commit. A shard regenerated under the same name has
+# another one, so whatever was made from the old content (stage 2's parts and marker) is known to be stale.
+META_SHARD_ID = b"shard_id"
+
 # Schema metadata keys of hidden-state shards.
+META_SOURCE_SHARD_ID = b"source_shard_id"  # the completion shard's META_SHARD_ID this part was made from
 META_MODEL = b"model"
 META_LAYER_IDS = b"layer_ids"
 META_LAYER_CONVENTION = b"layer_convention"

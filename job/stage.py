@@ -10,8 +10,8 @@ A stage (job/generate/run.py, job/hidden_states/run.py) supplies only:
 The runner owns the rest, in this order:
     previous = runs.read_run_json(...)                       what an earlier job of this run recorded
     check_identity(previous, stage, identity, allow_drift)   a changed setting is refused, or allowed and named
-    with writing(config, stage, directory, take_lock):       the writer lock; temp files of killed writers removed
-        runs.write_run_json(... "running" ...)
+    with writing(config, stage, directory, take_lock) as held:   the writer lock; temp files of killed writers removed
+        runs.write_run_json(... "running" ..., held.fence)      every commit is fenced (job/lock.py)
         follow(map_units(config, units, ActorStage(...)), progress, on_summary, user_errors)
         runs.write_run_json(... "complete" ...)
 `follow` always closes its progress line, and turns an error raised inside an actor (which Ray hands back as a
@@ -64,11 +64,11 @@ def check_identity(previous: dict, stage: str, identity: dict, allow_drift: bool
 
 @contextmanager
 def writing(config: RunConfig, stage: str, directory: str, *, take_lock: bool):
-    """Hold the stage's writer lock (one writer per run and stage) and clear the temp files a killed writer left
-    in `directory` (nobody else writes while we hold the lock)."""
-    with lock.WriterLock(config, stage, take_over=take_lock):
+    """Hold the stage's writer lock (one writer per run and stage; yields it: its `fence` guards every commit) and
+    clear the temp files a killed writer left in `directory` (nobody else writes there while we hold the lock)."""
+    with lock.WriterLock(config, stage, take_over=take_lock) as held:
         storage.remove_temp_files(storage.join(config.output, directory))
-        yield
+        yield held
 
 
 @dataclass

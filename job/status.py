@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import pyarrow.compute as pc
@@ -53,10 +52,20 @@ class ShardStat:
 
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
-                     num_threads: int = 32) -> list[ShardStat]:
-    """Every completion shard of a run with its counts, sorted by modification time."""
+                     num_threads: int = 32, unreadable: dict[str, str] | None = None,
+                     checks: dict[str, scan.ShardCheck] | None = None) -> list[ShardStat]:
+    """Every completion shard of a run that can be read whole, with its counts, sorted by modification time. Each
+    shard's footer is checked first (scan.check_completion_shards): one that cannot be read whole (truncated, zero
+    bytes, wrong schema) is left out and named in `unreadable` ({name: problem}); `checks` receives every check."""
     storage_config = storage_config or StorageConfig()
     listed = scan.list_completion_shards(run_uri, storage_config)
+    found = scan.check_completion_shards(listed, storage_config)
+    problems = scan.unreadable(found)
+    if unreadable is not None:
+        unreadable.update(problems)
+    if checks is not None:
+        checks.update(found)
+    listed = [s for s in listed if s.name not in problems]
     stats = [ShardStat(name=s.name, file_index=s.file_index, start=s.start, stop=s.stop, mtime=s.mtime, size=s.size,
                        num_rows=s.stop - s.start) for s in listed]
     if read_columns and stats:
@@ -157,35 +166,33 @@ def _covered_rows(shards: list[ShardStat]) -> int:
     return total
 
 
-def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage_config: StorageConfig, *,
-                       read_markers: bool = True, num_threads: int = 32) -> dict | None:
+def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage_config: StorageConfig,
+                       checks: dict[str, scan.ShardCheck], *, read_markers: bool = True) -> dict | None:
     """Stage 2's progress against the completion shards written so far; None before stage 2 first ran.
 
     Stage 2 turns each completion shard into parts `hidden_states/<stem>[-n<limit>]-p<k>.arrow` and, after its
     last part, a marker `hidden_states/_done/<stem>[-n<limit>].json` (`<stem>`: the shard's name, `/` → `__`).
-    A shard's rows are done when its full marker exists; a `--limit` run's marker covers its first <limit> rows.
-    Markers also carry the sample and token counts, read only when `read_markers` (one small GET each)."""
-    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
-    files = [(name, mtime, size) for name, size, mtime in storage.list_file_infos(hidden_dir, "", storage_config)]
+    A shard's rows are done when a full marker made from its current content exists (scan.marker_matches, the rule
+    stage 2 itself follows); a `--limit` run's marker covers its first <limit> rows. Markers of a shard regenerated
+    since are counted as stale."""
+    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
+    listed = [scan.CompletionShard(name=s.name, uri=storage.join(completions_dir, s.name), file_index=s.file_index,
+                                   start=s.start, stop=s.stop, size=s.size, mtime=s.mtime) for s in shards]
+    markers = scan.stage2_markers(run_uri, listed, checks, storage_config)
+    files = markers.files
     if not files and not run.get("hidden_states"):
         return None
-    markers: dict[str, dict[int | None, str]] = {}  # completion-shard stem: {--limit or None: marker name}
-    for name, _, _ in files:
-        parsed = layout.parse_marker_name(name)
-        if parsed is not None:
-            markers.setdefault(parsed[0], {})[parsed[1]] = name
-    parts = [(n, size) for n, _, size in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
-    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
+    parts = [(n, size) for n, size, _ in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
     rows_done, used = 0, []
     for shard in shards:
-        found = markers.get(layout.hidden_state_stem(storage.join(completions_dir, shard.name), completions_dir), {})
+        found = markers.matching.get(shard.name, {})
         if None in found:
             rows_done += shard.num_rows
-            used.append(found[None])
+            used.append(found[None][1])
         elif found:
             limit = max(found)
             rows_done += min(limit, shard.num_rows)
-            used.append(found[limit])
+            used.append(found[limit][1])
     rows_written = sum(s.num_rows for s in shards)
     out = {
         "status": run.get("hidden_states", {}).get("status", "running" if files else "not started"),
@@ -194,19 +201,15 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
         "rows_from_stage1": rows_written,
         "completion_shards_done": len(used),
         "completion_shards_to_do": len(shards) - len(used),
+        "completion_shards_changed": sorted(markers.stale),
         "parts": len(parts),
         "bytes": sum(size for _, size in parts),
         "samples": None,
         "tokens": None,
     }
     if read_markers and used:
-        def read(name: str) -> dict:
-            return storage.read_json(storage.join(hidden_dir, name), storage_config)
-
-        with ThreadPoolExecutor(num_threads) as pool:
-            summaries = list(pool.map(read, used))
-        out["samples"] = sum(int(m.get("num_samples", 0)) for m in summaries)
-        out["tokens"] = sum(int(m.get("num_tokens", 0)) for m in summaries)
+        out["samples"] = sum(int(m.get("num_samples", 0)) for m in used)
+        out["tokens"] = sum(int(m.get("num_tokens", 0)) for m in used)
     return out
 
 
@@ -224,7 +227,9 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")
     rows_per_shard = run.get("config", {}).get("generate", {}).get("rows_per_shard")
-    shards = scan_completions(run_uri, storage_config, read_columns=read_columns)
+    problems: dict[str, str] = {}
+    checks: dict[str, scan.ShardCheck] = {}
+    shards = scan_completions(run_uri, storage_config, read_columns=read_columns, unreadable=problems, checks=checks)
 
     done = _covered_rows(shards)
     rows_read = sum(s.num_rows for s in shards)
@@ -247,7 +252,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     elif remaining and rate_for_eta and rate_for_eta.rows_per_s > 0:
         eta_s = remaining / rate_for_eta.rows_per_s
 
-    stage2 = scan_hidden_states(run_uri, run, shards, storage_config, read_markers=read_columns)
+    stage2 = scan_hidden_states(run_uri, run, shards, storage_config, checks, read_markers=read_columns)
 
     return {
         "run": run_uri,
@@ -276,6 +281,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
         "eta_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(now + eta_s)) if eta_s else None,
         "last_shard_age_s": now - last_mtime if last_mtime else None,
         "holes": [{"file_index": f, "start": a, "stop": b} for f, a, b in _holes(shards)],
+        "unreadable_shards": problems,
         "hidden_states": stage2,
     }
 
@@ -327,6 +333,10 @@ def format_status(st: dict) -> str:
         lines.append(f"holes    {len(st['holes'])} row range(s) not written between done shards: {shown}{more} "
                      "(units still in flight, or lost with a dead job: the next `generate` on this output "
                      "fills them)")
+    if st["unreadable_shards"]:
+        lines.append("damaged  " + scan.unreadable_line(
+            st["unreadable_shards"], "not counted; the next `generate` on this output moves them aside to "
+                                     "quarantine/ and generates their rows again"))
     hs = st["hidden_states"]
     if hs is None:
         lines.append("stage 2  not started (`python -m job hidden-states` with the same --output)")
@@ -338,6 +348,11 @@ def format_status(st: dict) -> str:
         if hs["samples"] is not None:
             line += f", {hs['samples']:,} samples, {hs['tokens']:,} tokens"
         lines.append(line + f"  [{hs['status']}]")
+        if hs["completion_shards_changed"]:
+            changed = hs["completion_shards_changed"]
+            lines.append(f"         {len(changed)} completion shard(s) changed since their hidden states were made "
+                         f"({', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}): counted as to do; the next "
+                         "`hidden-states` run makes them again")
         if total is not None and hs["rows_from_stage1"] < total:
             lines.append(f"         (stage 1 has written {hs['rows_from_stage1']:,} of {total:,} rows: stage 2 can "
                          "only follow what exists)")

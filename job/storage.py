@@ -14,14 +14,20 @@ Shard writes are atomic: a reader sees either no shard or the whole shard.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import io
 import json
 import os
 import random
+import threading
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -197,27 +203,35 @@ def remove_temp_files(uri: str) -> int:
     return len(stale)
 
 
-def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
+def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None, guard=None) -> None:
+    """Write `uri` whole or not at all. `guard`: a context-manager factory the commit step runs inside (the
+    writer lock's fence, job/lock.py): locally the rename, on S3 the PUT; it raises to refuse the commit."""
     fs, path = resolve(uri, storage)
+    guard = guard or contextlib.nullcontext
 
     def _write():
         if isinstance(fs, pafs.LocalFileSystem):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             head, tail = os.path.split(path)
             tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with guard():
+                    os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):  # a refused commit leaves nothing behind
+                    os.remove(tmp)
         else:
             # One PutObject, or a multipart upload completed on close. pyarrow 26 leaves a failed multipart upload
             # incomplete rather than completing it short (tests/test_storage.py checks that); a size check after
-            # the write guards the rest: a short object is deleted and the write retried, so resume, which trusts
-            # names, never sees it. Incomplete uploads of killed jobs: the bucket's AbortIncompleteMultipartUpload
-            # rule cleans them (docs/OPERATIONS.md).
-            with fs.open_output_stream(path) as out:
-                out.write(data)
+            # the write guards the rest: a short object is deleted and the write retried. Incomplete uploads of
+            # killed jobs: the bucket's AbortIncompleteMultipartUpload rule cleans them (docs/OPERATIONS.md).
+            with guard():
+                with fs.open_output_stream(path) as out:
+                    out.write(data)
             size = fs.get_file_info(path).size
             if size != len(data):
                 fs.delete_file(path)
@@ -237,8 +251,8 @@ def read_bytes(uri: str, storage: StorageConfig | None = None) -> bytes:
     return with_retries(_read, what=f"read {uri}", storage=storage)
 
 
-def write_json(uri: str, obj, storage: StorageConfig | None = None) -> None:
-    write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True, default=str).encode() + b"\n", storage)
+def write_json(uri: str, obj, storage: StorageConfig | None = None, guard=None) -> None:
+    write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True, default=str).encode() + b"\n", storage, guard)
 
 
 def read_json(uri: str, storage: StorageConfig | None = None):
@@ -253,10 +267,11 @@ def table_to_ipc_bytes(table: pa.Table, compression: str | None = "zstd") -> byt
     return sink.getvalue()
 
 
-def write_shard(uri: str, table: pa.Table, storage: StorageConfig | None = None, compression: str | None = "zstd"):
+def write_shard(uri: str, table: pa.Table, storage: StorageConfig | None = None, compression: str | None = "zstd",
+                guard=None):
     """Write one Arrow IPC file atomically. zstd by default; stage 2 passes None so features stay mmap-able."""
     assert uri.endswith(SHARD_SUFFIX), uri
-    write_bytes_atomic(uri, table_to_ipc_bytes(table, compression), storage)
+    write_bytes_atomic(uri, table_to_ipc_bytes(table, compression), storage, guard)
 
 
 def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool = False) -> pa.Table:
@@ -264,6 +279,27 @@ def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool 
     if memory_map and isinstance(fs, pafs.LocalFileSystem):
         return ipc.open_file(pa.memory_map(path, "r")).read_all()
     return ipc.open_file(pa.BufferReader(read_bytes(uri, storage))).read_all()
+
+
+def read_shard_schema(uri: str, storage: StorageConfig | None = None) -> pa.Schema:
+    """The schema (with its metadata) of one Arrow IPC file, from its footer alone (one or two ranged reads). A file
+    that is not whole (truncated, zero bytes) has no footer and raises pa.ArrowInvalid."""
+    fs, path = resolve(uri, storage)
+
+    def _read() -> pa.Schema:
+        with fs.open_input_file(path) as f:
+            return ipc.open_file(f).schema
+
+    return with_retries(_read, what=f"read {uri}", storage=storage)
+
+
+def move(uri: str, to_uri: str, storage: StorageConfig | None = None) -> None:
+    """Rename a file (S3: copy, then delete)."""
+    fs, path = resolve(uri, storage)
+    _, to_path = resolve(to_uri, storage)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(to_path), exist_ok=True)
+    with_retries(fs.move, path, to_path, what=f"move {uri}", storage=storage)
 
 
 def read_shard_columns(uri: str, columns: list[str], storage: StorageConfig | None = None) -> pa.Table:
@@ -283,3 +319,111 @@ def read_shard_columns(uri: str, columns: list[str], storage: StorageConfig | No
 def delete(uri: str, storage: StorageConfig | None = None) -> None:
     fs, path = resolve(uri, storage)
     with_retries(fs.delete_file, path, what=f"delete {uri}", storage=storage)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conditional operations on one small JSON object (S3, or a local file under a flock): the writer locks
+# (job/lock.py) and run.json, which two stages may update at once
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Conflict(Exception):
+    """A conditional write failed: the object is not what we expected."""
+
+
+class S3Object:
+    def __init__(self, uri: str, config: StorageConfig):
+        import boto3
+
+        parsed = urlparse(uri)
+        self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
+        self.client = boto3.client("s3", endpoint_url=s3_endpoint(config),
+                                   region_name=s3_region(config))
+
+    def _call(self, method: str, **kwargs):
+        from botocore.exceptions import ClientError
+
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, Key=self.key, **kwargs)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise Conflict(code) from None
+            if code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(self.key) from None
+            raise
+
+    @contextmanager
+    def exclusive(self):
+        yield  # S3's conditional writes are atomic by themselves
+
+    def create(self, body: bytes) -> str:
+        return self._call("put_object", Body=body, IfNoneMatch="*")["ETag"]
+
+    def replace(self, body: bytes, etag: str) -> str:
+        return self._call("put_object", Body=body, IfMatch=etag)["ETag"]
+
+    def read(self) -> tuple[dict, str, float]:
+        """(content, etag, age in seconds by the server's clock)."""
+        r = self._call("get_object")
+        server_now = parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return json.loads(r["Body"].read()), r["ETag"], (server_now - r["LastModified"]).total_seconds()
+
+
+class LocalObject:
+    """The same operations on a local file. Each one holds an exclusive `flock` on a sidecar file, so a check and
+    the write that depends on it are one step for every process of this machine (and of an NFS v4 mount)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        head, tail = os.path.split(path)
+        self.flock_path = os.path.join(head, f".{tail}.flock")  # a dot-file: never listed as output
+
+    @contextmanager
+    def exclusive(self):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.flock_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            yield
+
+    @staticmethod
+    def _etag(body: bytes) -> str:
+        return hashlib.sha256(body).hexdigest()
+
+    def body(self) -> bytes:
+        with open(self.path, "rb") as f:
+            return f.read()
+
+    def _write(self, body: bytes) -> None:
+        head, tail = os.path.split(self.path)
+        tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{threading.get_ident()}")  # a dot-file: never listed
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, self.path)
+
+    def create(self, body: bytes) -> str:
+        with self.exclusive():
+            if os.path.exists(self.path):
+                raise Conflict("exists")
+            self._write(body)
+        return self._etag(body)
+
+    def replace(self, body: bytes, etag: str) -> str:
+        with self.exclusive():
+            try:
+                if self._etag(self.body()) != etag:
+                    raise Conflict("changed")
+            except FileNotFoundError:
+                raise Conflict("gone") from None
+            self._write(body)
+        return self._etag(body)
+
+    def read(self) -> tuple[dict, str, float]:
+        with self.exclusive():
+            body = self.body()
+            age = time.time() - os.path.getmtime(self.path)
+        return json.loads(body), self._etag(body), age
+
+
+def conditional_object(uri: str, config: StorageConfig):
+    return S3Object(uri, config) if is_s3(uri) else LocalObject(os.path.abspath(uri))

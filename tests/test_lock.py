@@ -1,17 +1,29 @@
 """The writer lock (job/lock.py) on a local directory and on a real S3 protocol server (moto, which implements
 conditional writes): one winner among jobs starting together, refusal while held, take-over that stops the
-previous holder at its next renewal, staleness by the storage's clock, release that never deletes another's lock."""
+previous holder at its next renewal, staleness by the storage's clock, release that never deletes another's lock;
+fencing (a writer whose lock was taken commits nothing), epochs that only grow, one lock per stage, a holder judged
+dead only in its own container, and a holder that ignores SIGINT still stopped."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
-from job import lock
+from job import layout, lock, runs, storage
 from job.config import RunConfig, StorageConfig
-from job.lock import LockError, WriterLock
+from job.lock import FencedOut, LockError, WriterLock
+
+
+@pytest.fixture(autouse=True)
+def _short_settle(monkeypatch):
+    monkeypatch.setattr(lock, "TAKEOVER_SETTLE_S", 0.1)  # S3 take-over's wait for in-flight commits (10 s)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -56,7 +68,7 @@ def test_take_over_stops_the_holder_and_its_release_leaves_the_new_lock(output):
     with pytest.raises(LockError, match="stopped: another job took over"):
         first.__exit__(None, None, None)
     with pytest.raises(LockError, match="another job is writing"):  # the first job's exit left the new lock
-        WriterLock(output, "hidden_states").__enter__()
+        WriterLock(output, "generate").__enter__()
     second.__exit__(None, None, None)
     WriterLock(output, "generate").__enter__().__exit__(None, None, None)
 
@@ -89,3 +101,112 @@ def test_a_holder_that_loses_its_lock_is_interrupted(output, monkeypatch):
                 time.sleep(0.05)
     assert time.monotonic() - started < 5
     taker.__exit__(None, None, None)
+
+
+def test_a_writer_whose_lock_was_taken_commits_nothing(output):
+    """Fencing: every commit (a shard, a marker, run.json) goes through the holder's fence; after a take-over the old
+    holder's commits are refused and leave no file, the new holder's go through."""
+    first = WriterLock(output, "generate").__enter__()
+    target = storage.join(output.output, "completions", "f00000-r0000000000-0000000004.arrow")
+    storage.write_bytes_atomic(target, b"first", output.storage, first.fence.guard)  # current: committed
+    second = WriterLock(output, "generate", take_over=True).__enter__()
+    assert second.epoch == first.epoch + 1
+    with pytest.raises(FencedOut, match="another job took over.*commits nothing more"):
+        storage.write_bytes_atomic(target, b"stale", output.storage, first.fence.guard)
+    with pytest.raises(FencedOut):
+        runs.write_run_json(output, "generate", {"status": "running"}, first.fence)
+    assert storage.read_bytes(target, output.storage) == b"first"
+    assert not storage.exists(runs.run_json_uri(output.output), output.storage)
+    if not storage.is_s3(output.output):  # the refused commit's temp file is gone too
+        assert [n for n in os.listdir(os.path.dirname(target)) if n.startswith(".")] == []
+    storage.write_bytes_atomic(target, b"second", output.storage, second.fence.guard)
+    runs.write_run_json(output, "generate", {"status": "running"}, second.fence)
+    assert storage.read_bytes(target, output.storage) == b"second"
+    first.renew()
+    with pytest.raises(LockError):
+        first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+
+
+def test_the_epoch_only_grows_and_each_stage_has_its_own_lock(output):
+    with WriterLock(output, "generate") as a:
+        with WriterLock(output, "hidden_states") as b:  # stage 2 beside stage 1
+            assert (a.epoch, b.epoch) == (1, 1)
+    with WriterLock(output, "generate") as c:  # a released lock is taken without --take-lock, one epoch later
+        assert c.epoch == 2
+        stale = a.fence
+        with pytest.raises(FencedOut):
+            stale.check()
+    held = storage.read_json(storage.join(output.output, layout.lock_name("generate")), output.storage)
+    assert held["released"] and held["epoch"] == 2
+
+
+def test_run_json_keeps_both_stages_updates_when_they_write_at_once(output):
+    barrier = threading.Barrier(2)
+
+    def write(stage_key):
+        barrier.wait()
+        for i in range(10):
+            runs.write_run_json(output, stage_key, {f"n{i}": i})
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in ("generate", "hidden_states")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    data = storage.read_json(runs.run_json_uri(output.output), output.storage)
+    for key in ("generate", "hidden_states"):
+        assert {f"n{i}" for i in range(10)} <= set(data[key]), data[key]
+
+
+def _fake_lock(output, **holder):
+    """A lock as another process left it: this host's name, the given identity fields, renewed just now."""
+    me = lock.host_identity()
+    body = {"owner": f"{me['host']}:{holder.get('pid', me['pid'])}:other", "epoch": 7, "stage": "generate",
+            "holder": {**me, **holder}, "heartbeat": time.time()}
+    storage.write_bytes_atomic(storage.join(output.output, layout.lock_name("generate")),
+                               json.dumps(body).encode(), output.storage)
+
+
+def test_a_holder_is_judged_dead_only_in_its_own_container(output):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that existed and is gone now
+    # Another container with the same hostname (its own boot id / pid namespace): its pid means nothing here.
+    _fake_lock(output, pid=gone.pid, boot_id="another-container-boot-id")
+    with pytest.raises(LockError, match="another job is writing"):
+        WriterLock(output, "generate").__enter__()
+    _fake_lock(output, pid=gone.pid, pid_ns="pid:[1]")
+    with pytest.raises(LockError, match="another job is writing"):
+        WriterLock(output, "generate").__enter__()
+    # This container, a pid reused by a later process (start time differs): dead, taken at once.
+    _fake_lock(output, pid=os.getpid(), started="1")
+    with WriterLock(output, "generate") as held:
+        assert held.epoch == 8
+    # This container, the process gone: dead, taken at once.
+    _fake_lock(output, pid=gone.pid)
+    with WriterLock(output, "generate") as held:
+        assert held.epoch == 8
+
+
+def test_a_holder_that_ignores_sigint_still_stops(tmp_path):
+    """A driver started with `&` or under a scheduler ignores SIGINT, so interrupting its main thread does nothing:
+    it must still stop (exit code 75) shortly after its lock is taken over."""
+    output = str(tmp_path / "run")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from job import lock
+        from job.config import RunConfig
+        lock.LOCK_HEARTBEAT_S, lock.LOST_GRACE_S = 0.2, 1.0
+        with lock.WriterLock(RunConfig(model="m", output={output!r}), "generate"):
+            print("held", flush=True)
+            while True:
+                time.sleep(0.05)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert child.stdout.readline().strip() == "held"
+    with WriterLock(RunConfig(model="m", output=output), "generate", take_over=True):
+        started = time.monotonic()
+        code = child.wait(timeout=30)
+        waited = time.monotonic() - started
+    assert code == lock.LOCK_LOST_EXIT_CODE, child.stderr.read()
+    assert waited < 10 and "commits nothing more" in child.stderr.read()

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from job import layout, schema, storage
+from job import layout, scan, schema, storage
 from job.export.conversations import export_conversations
 from job.export.samples import (FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB, TRAINER_FILE,
                                 ExportError, count_tokens, drop_reason, finish_export, make_plan,
@@ -143,7 +143,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
     if to == "specforge" and format == "conversations":
         return export_conversations(run, output=output, storage_config=storage_config)
-    shard_uris = storage.list_files(storage.join(run, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
+    shard_uris = [uri for uri, _ in scan.done_hidden_state_parts(run, storage_config)]  # stage 2's "done" rule
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")

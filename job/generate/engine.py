@@ -223,7 +223,8 @@ def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]
 
 
 class CompletionGenerator:
-    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = ""):
+    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = "",
+                 fence=None):
         import ray
 
         from job.cluster import model_missing_here
@@ -247,6 +248,7 @@ class CompletionGenerator:
         self.out_schema = schema.completion_schema(self.carried_schema)
         self.chat_template = chat_template
         self.job_token = job_token  # attempts of a unit are counted per job: a new job retries every unit afresh
+        self.fence = fence  # the driver's writer lock (job/lock.py): a shard is committed only while it holds
         gen = self.config.generate
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
@@ -335,6 +337,8 @@ class CompletionGenerator:
 
     async def _run_unit(self, unit: layout.CompletionUnit) -> dict[str, list]:
         started = time.monotonic()
+        if self.fence is not None:  # a job whose lock was taken over starts no more work (and commits none: below)
+            await asyncio.to_thread(self.fence.check)
         table = await asyncio.to_thread(inputs.read_unit, unit, self.config.storage, self.carried_schema)
         rows, undecodable = _decode_rows(table)
         attempts = await asyncio.to_thread(self._count_attempt, unit)
@@ -372,7 +376,8 @@ class CompletionGenerator:
             table = table.take(pa.array(source, pa.int64()))
         out = self._to_table(table, results)
         uri = storage.join(self.config.output, layout.COMPLETIONS_DIR, unit.shard_name)
-        await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage)
+        await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage,
+                                guard=self.fence.guard if self.fence is not None else None)
         await asyncio.to_thread(self._forget_attempts, unit)
         return {
             "shard": [unit.shard_name],
@@ -488,7 +493,9 @@ class CompletionGenerator:
         columns = {name: [r[name] for r in results] for name in schema.COMPLETION_COLUMNS}
         arrays = [pa.array(columns[f.name], type=f.type) for f in schema.COMPLETION_FIELDS]
         arrays += [inp.column(name) for name, _ in schema.carried_columns(self.carried_schema)]
-        return pa.Table.from_arrays(arrays, schema=self.out_schema)
+        table = pa.Table.from_arrays(arrays, schema=self.out_schema)
+        # A fresh content id per commit: stage 2 knows its hidden states of a regenerated shard are stale.
+        return table.replace_schema_metadata({**(table.schema.metadata or {}), schema.META_SHARD_ID: uuid.uuid4().hex})
 
     async def _watch(self):
         timeout = self.config.generate.hang_timeout_s

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import layout, progress, report, runs, stage, storage
+from job import layout, progress, report, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig
 from job.generate import inputs, quality
 
@@ -167,10 +167,10 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         file_records = inputs.describe_files(files, config.input, digests)
     total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
 
-    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock):
+    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock) as held:
         # 2. What is left: the output listing minus the wanted row ranges.
         completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-        done = [u.rsplit("/", 1)[-1] for u in storage.list_files(completions, layout.SHARD_SUFFIX, config.storage)]
+        done = _trusted_shards(config, held.fence)
         done_rows = inputs.count_done_rows(files, done, config.limit)
         canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
         run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
@@ -181,7 +181,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
             "identity": ident, "input": {"uri": config.input, "format": files[0].format, "num_files": len(files),
                                          "num_rows": total_rows, "files": file_records,
                                          "columns": base64.b64encode(carried.serialize().to_pybytes()).decode()},
-            "sampling": sampling, "status": "running" if units else "complete"})
+            "sampling": sampling, "status": "running" if units else "complete"}, held.fence)
         if not units:
             summary.already_complete = True
             summary.seconds = time.monotonic() - started
@@ -196,19 +196,19 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         started_ray = stage.ensure_ray(config) or joined_ray
         try:
             engines = engine_pool(config)
-            summaries = stage.map_units(units, _engines(config, carried, chat_template, engines))
+            summaries = stage.map_units(units, _engines(config, carried, chat_template, engines, held.fence))
             tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
                                         num_engines=engines[0], max_engines=engines[1])
-            consume = _Consumer(config, summary, tracker, run_canary)
+            consume = _Consumer(config, summary, tracker, run_canary, held.fence)
             stage.follow(summaries.iter_rows(), tracker, consume, _user_errors())
             summary.generation_seconds = consume.window()
         finally:
             if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
                 ray.shutdown()
         runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
-                                                 "output_tokens_per_s": summary.output_tokens_per_s})
+                                                 "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:
-            report.write_report(config.output, config.storage)
+            report.write_report(config.output, config.storage, guard=held.fence.guard)
         except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
             log.warning("the run is complete but its report could not be written (%s); "
                         "`python -m job report %s` makes it later", e, config.output)
@@ -216,8 +216,25 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
     return summary
 
 
+def _trusted_shards(config: RunConfig, fence) -> list[str]:
+    """Names of the completion shards that count as done: those that can be read whole. One that cannot (truncated,
+    zero bytes, not a completion shard) is moved aside to quarantine/ (never deleted) and its rows are generated
+    again; one line names them."""
+    shards = scan.list_completion_shards(config.output, config.storage)
+    problems = scan.unreadable(scan.check_completion_shards(shards, config.storage))
+    if problems:
+        aside = storage.join(config.output, layout.QUARANTINE_DIR, layout.COMPLETIONS_DIR)
+        print(scan.unreadable_line(problems, f"moved aside to {aside}/ and their rows generated again"), flush=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        completions = storage.join(config.output, layout.COMPLETIONS_DIR)
+        for name in problems:
+            with fence.guard():
+                storage.move(storage.join(completions, name), storage.join(aside, f"{name}.{stamp}"), config.storage)
+    return [s.name for s in shards if s.name not in problems]
+
+
 def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
-             engines: tuple[int, int]) -> stage.ActorStage:
+             engines: tuple[int, int], fence) -> stage.ActorStage:
     import ray
 
     from job.config import to_dict
@@ -226,7 +243,7 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
     return stage.ActorStage(
         CompletionGenerator,
         {"config": to_dict(config), "carried_schema_bytes": carried.serialize().to_pybytes(),
-         "chat_template": chat_template, "job_token": uuid.uuid4().hex},
+         "chat_template": chat_template, "job_token": uuid.uuid4().hex, "fence": fence},
         min_actors=engines[0], max_actors=engines[1],
         # An engine keeps itself full from several units at once (its admission gate, see engine.py).
         units_per_actor=config.generate.units_in_flight_per_engine,
@@ -238,8 +255,10 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
 class _Consumer:
     """What stage 1 does with each unit's summary as it arrives: totals, progress, the canary decision."""
 
-    def __init__(self, config: RunConfig, summary: GenerateSummary, tracker: progress.Progress, run_canary: bool):
+    def __init__(self, config: RunConfig, summary: GenerateSummary, tracker: progress.Progress, run_canary: bool,
+                 fence):
         self.config, self.summary, self.tracker, self.run_canary = config, summary, tracker, run_canary
+        self.fence = fence
         self.canary_rows, self.window_start = 0, None
 
     def __call__(self, s: dict) -> None:
@@ -257,11 +276,11 @@ class _Consumer:
             if self.canary_rows >= config.quality.canary_rows:
                 verdict = quality.canary_verdict(self.tracker.totals, config.quality)
                 if verdict:
-                    runs.write_run_json(config, "generate", {"status": "canary_failed"})
+                    runs.write_run_json(config, "generate", {"status": "canary_failed"}, self.fence)
                     raise CanaryFailed(f"{verdict}\nThe {summary.num_rows} rows written so far stay in "
                                        f"{config.output} for inspection; after fixing, run into a new --output.")
                 print(f"canary passed on the first {self.canary_rows} rows", flush=True)
-                runs.write_run_json(config, "generate", {"canary_passed": True})
+                runs.write_run_json(config, "generate", {"canary_passed": True}, self.fence)
 
     def window(self) -> float:
         return time.monotonic() - self.window_start if self.window_start else 0.0
@@ -270,4 +289,6 @@ class _Consumer:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from job.generate.engine import EngineStartError
 
-    return (storage.StorageError, inputs.InputError, EngineStartError)
+    from job.lock import FencedOut
+
+    return (storage.StorageError, inputs.InputError, EngineStartError, FencedOut)

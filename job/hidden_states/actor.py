@@ -4,12 +4,14 @@ marker, or streams its records."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import asdict
 
 import numpy as np
+import pyarrow as pa
 
 from job import layout, schema, storage
 from job.config import ConfigError
@@ -29,9 +31,11 @@ class HiddenStateExtractor:
     """`map_batches` callable. mode='write': writes the unit's missing parts and its marker, yields one summary
     row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
 
-    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None):
+    def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None,
+                 fence=None):
         """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
-        None skips the check."""
+        None skips the check. `fence`: the driver's writer lock (job/lock.py); every part and marker is committed
+        only while the driver holds it."""
         import torch
 
         from job.cluster import model_missing_here
@@ -43,6 +47,7 @@ class HiddenStateExtractor:
         if missing:
             raise ConfigError(missing)
         self.mode = mode
+        self.guard = fence.guard if fence is not None else None
         hs = self.config.hidden_states
         check = self._check_samples(check_source) if check_source and hs.check_samples else []
         reference = None
@@ -109,32 +114,50 @@ class HiddenStateExtractor:
             yield from (self._write(unit) if self.mode == "write" else self._stream(unit))
 
     def _samples(self, unit: HiddenStateUnit):
+        """(parts, skipped counts, source): `source` is what the unit's marker records of the completion shard it
+        read — size, content id, sha256, rows and ids — so a regenerated shard is known not to be covered."""
         hs, cfg = self.config.hidden_states, self.config
-        table = storage.read_shard(unit.uri, cfg.storage)
+        data = storage.read_bytes(unit.uri, cfg.storage)
+        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        meta = table.schema.metadata or {}
+        ids = "\n".join(map(str, table.column(schema.ID).to_pylist())).encode()
+        source = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "num_rows": table.num_rows,
+                  "ids_sha256": hashlib.sha256(ids).hexdigest()[:16],
+                  "shard_id": meta[schema.META_SHARD_ID].decode() if schema.META_SHARD_ID in meta else None}
         samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
                                                     row_limit=unit.row_limit)
-        return plan_parts(samples, hs.rows_per_shard), skipped
+        return plan_parts(samples, hs.rows_per_shard), skipped, source
+
+    def _made_from(self, uri: str) -> str | None:
+        """The completion shard content id a part already there was made from (None: a part from before ids)."""
+        meta = storage.read_shard_schema(uri, self.config.storage).metadata or {}
+        return meta[schema.META_SOURCE_SHARD_ID].decode() if schema.META_SOURCE_SHARD_ID in meta else None
 
     def _write(self, unit: HiddenStateUnit):
         cfg, out = self.config, storage.join(self.config.output, layout.HIDDEN_STATES_DIR)
         started = time.monotonic()
-        parts, skipped = self._samples(unit)
+        parts, skipped, source = self._samples(unit)
         names = [unit.part_name(j) for j in range(len(parts))]
         # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
         # not-done (it is redone), never done-but-incomplete.
         stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(layout.DONE_DIR))
         for name in stale:
             storage.delete(storage.join(out, name), cfg.storage)
-        todo = [(j, p) for j, p in enumerate(parts) if names[j] not in unit.existing]
+        # A part already there (an interrupted run) is kept only if it was made from this content of the shard.
+        kept = {n for n in set(unit.existing) & set(names)
+                if (self._made_from(storage.join(out, n)) or None) == source["shard_id"]}
+        todo = [(j, p) for j, p in enumerate(parts) if names[j] not in kept]
+        part_schema = self.schema.with_metadata({**self.schema.metadata,
+                                                 schema.META_SOURCE_SHARD_ID: source["shard_id"] or ""})
         stats_before = asdict(self.extractor.stats)
         self.extractor.feature_stats = FeatureStats(self.extractor.layer_ids, self.extractor.hidden_size)  # per unit
         writer, written = BackgroundWriter(max_pending=2), []
 
         def write(part):
-            buf = table_to_ipc(part_table(part.samples, part.features, self.schema))
+            buf = table_to_ipc(part_table(part.samples, part.features, part_schema))
             part.release()
             uri = storage.join(out, names[part.index])
-            storage.write_bytes_atomic(uri, buf, cfg.storage)
+            storage.write_bytes_atomic(uri, buf, cfg.storage, self.guard)
             return uri, buf.size
 
         try:
@@ -157,13 +180,14 @@ class HiddenStateExtractor:
             # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
             "self_check": self.self_check,
             "warnings": {"lines": self.warnings},
+            "source": source,  # what this marker covers: scan.marker_matches compares it with the shard now
         }
         self.self_check, self.warnings = {}, []
-        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage)
+        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage, self.guard)
         yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
 
     def _stream(self, unit: HiddenStateUnit):
-        parts, _ = self._samples(unit)
+        parts, _, _ = self._samples(unit)
         view = STREAM_DTYPES[self.config.hidden_states.dtype]
         L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
         for part in self.extractor.run(list(enumerate(parts)), pooled=False):

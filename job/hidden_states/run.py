@@ -41,14 +41,24 @@ def _out_dir(config: RunConfig) -> str:
     return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
-def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
-    """One unit per completion shard (name order = input order); `config.limit` keeps the first N rows. The shards
-    and their rows come from scan's one listing (rows from stage 1's names); other files there are not ours."""
+def plan_units(config: RunConfig, quiet: bool = False) -> list[HiddenStateUnit]:
+    """One unit per completion shard that can be read whole (name order = input order); `config.limit` keeps the
+    first N rows. The shards and their rows come from scan's one listing; a unit is done when a marker made from
+    the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
+    (the shard was regenerated since) are the unit's `stale` ones; shards that cannot be read whole are named in one
+    line and left out."""
     shards = scan.list_completion_shards(config.output, config.storage)
     completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     if not shards:
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
+    checks = scan.check_completion_shards(shards, config.storage)
+    problems = scan.unreadable(checks)
+    if problems and not quiet:
+        print(scan.unreadable_line(problems, "left out of stage 2. Run stage 1 again on this output: it moves them "
+                                             "aside and generates their rows again"), flush=True)
+    shards = [s for s in shards if s.name not in problems]
+    markers = scan.stage2_markers(config.output, shards, checks, config.storage)
     units, left = [], config.limit
     for shard in shards:
         n = shard.stop - shard.start
@@ -59,9 +69,9 @@ def plan_units(config: RunConfig) -> list[HiddenStateUnit]:
         units.append(HiddenStateUnit(uri=shard.uri, stem=stem, num_rows=n))
         if left is not None:
             left -= n
-    existing = [u[len(_out_dir(config)) + 1:] for u in storage.list_files(_out_dir(config), "", config.storage)]
     for unit, shard in zip(units, shards):  # units are the first shards, in order
-        unit.existing = [name for name in existing if unit.owns(name)]
+        unit.stale = markers.stale.get(shard.name, [])
+        unit.existing = [name for name, _, _ in markers.files if unit.owns(name) and name not in unit.stale]
         _take_covering_marker(unit, shard.stop - shard.start)
     return units
 
@@ -73,6 +83,22 @@ def _remove_outputs(config: RunConfig, units: list[HiddenStateUnit]) -> None:
         storage.delete(storage.join(out, name), config.storage)
     for unit in units:
         unit.existing = []
+
+
+def _forget_stale(config: RunConfig, units: list[HiddenStateUnit], fence) -> None:
+    """Delete the markers made from an earlier content of a completion shard (regenerated since), saying so: the
+    unit is then not done, and its actor redoes every part not made from the current content."""
+    changed = [u for u in units if u.stale]
+    if not changed:
+        return
+    names = ", ".join(u.stem for u in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    print(f"hidden states: {len(changed)} completion shard(s) changed since their hidden states were made ({names}): "
+          "their hidden states are made again", flush=True)
+    for unit in changed:
+        for name in unit.stale:
+            with fence.guard():
+                storage.delete(storage.join(_out_dir(config), name), config.storage)
+        unit.stale = []
 
 
 def _take_covering_marker(unit: HiddenStateUnit, full: int) -> None:
@@ -149,7 +175,7 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 """Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
 
-def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str):
+def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None):
     import ray
 
     from job.config import to_dict
@@ -163,7 +189,8 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
     check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
     return stage.map_units(units, stage.ActorStage(
         HiddenStateExtractor,
-        {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source},
+        {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source,
+         "fence": fence},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
         runtime_env={"env_vars": dict(config.env_vars)}))
@@ -202,7 +229,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     changed = stage.check_identity(previous, STAGE, ident, allow_drift,
                                    consequence="mix features made two ways in one output")
 
-    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock):
+    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
+        _forget_stale(config, units, held.fence)
         if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
             print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
                   "shard's hidden states with the new settings", flush=True)
@@ -214,11 +242,11 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
               f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
               f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
         runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
-                                            "status": "running" if pending else "complete"})
+                                            "status": "running" if pending else "complete"}, held.fence)
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
         if pending:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            summaries = _pipeline(config, pending, layer_ids, "write")
+            summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
             tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
                                         done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
                                         label="hidden-states", tokens_key="num_tokens_extracted")
@@ -226,11 +254,12 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started
-        summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started)
+        summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started,
+                          held.fence)
         # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
         stage1 = previous.get("generate", {})
         partial = "status" in stage1 and stage1["status"] != "complete"
-        runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"})
+        runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"}, held.fence)
     if partial:
         written, total = sum(u.num_rows for u in units), stage1.get("input", {}).get("num_rows")
         print(f"note: stage 1 is not finished (status: {stage1['status']}; {written:,} of "
@@ -260,7 +289,7 @@ def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
 
 
 def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], hidden: int, estimate: dict,
-            this_run: dict, seconds: float, total_seconds: float) -> dict:
+            this_run: dict, seconds: float, total_seconds: float, fence=None) -> dict:
     """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
     out = _out_dir(config)
     with ThreadPoolExecutor(16) as pool:
@@ -298,7 +327,7 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
         "self_checks": this_run.get("self_checks", []),
         "layers": layers, "estimate": estimate, "shards": sorted(shards), "report": report_uri,
     }
-    storage.write_json(report_uri, summary, config.storage)
+    storage.write_json(report_uri, summary, config.storage, fence.guard if fence is not None else None)
     return summary
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from job import layout, schema, storage
+from job import scan, schema, storage
 from job.hidden_states.samples import Sample
 
 
@@ -148,7 +148,6 @@ def load(run_uri: str, storage_config: storage.StorageConfig | None = None):
     """Yield one dict per sample of a run's hidden-state shards: `id`, `input_ids` (int32), `loss_mask` (uint8),
     `layer_ids`, `hidden_states` ([num_tokens, num_layers, hidden] torch tensor in the stored dtype, a view of
     the memory-mapped file for local runs: no copy; read-only), `clipped`, `original_num_tokens`."""
-    uris = storage.list_files(storage.join(run_uri, layout.HIDDEN_STATES_DIR), layout.SHARD_SUFFIX, storage_config)
-    for uri in uris:
+    for uri, _ in scan.done_hidden_state_parts(run_uri, storage_config):  # stage 2's "done" rule
         yield from iter_records(storage.read_shard(uri, storage_config, memory_map=True))
 
