@@ -147,6 +147,18 @@ def hidden_state_stem(completion_uri: str, completions_dir: str) -> str:
     return completion_uri[len(completions_dir) + 1:-len(SHARD_SUFFIX)].replace("/", "__")
 
 
+_PART = re.compile(r"(.+?)(?:-n\d+)?-p\d{4}" + re.escape(SHARD_SUFFIX))
+
+
+def hidden_state_file_stem(name: str) -> str | None:
+    """The completion-shard stem of a stage-2 part or marker (name relative to hidden_states/), None for others."""
+    marker = parse_marker_name(name)
+    if marker:
+        return marker[0]
+    m = _PART.fullmatch(name)
+    return m[1] if m else None
+
+
 _MARKER = re.compile(re.escape(DONE_DIR) + r"/(.+?)(?:-n(\d+))?\.json$")
 
 

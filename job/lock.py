@@ -121,13 +121,17 @@ class Fence:
         return store
 
     def _check(self, store) -> None:
-        try:
-            if isinstance(store, storage.LocalObject):  # the caller holds the flock already
-                held = json.loads(store.body())
-            else:
-                held = store.read()[0]
-        except FileNotFoundError:
-            held = {}
+        held = {}
+        for attempt in range(max(1, self.storage_config.num_retries)):
+            try:
+                held = json.loads(store.body())  # (locally the caller holds the flock already)
+                break
+            except FileNotFoundError:
+                break
+            except Exception:  # S3 trouble (boto3 retried it already): again, as storage.with_retries would
+                if attempt == max(1, self.storage_config.num_retries) - 1:
+                    raise
+                time.sleep(min(20.0, self.storage_config.retry_base_s * 2 ** attempt))
         if held.get("released") or held.get("owner") != self.owner or held.get("epoch") != self.epoch:
             now = "released" if held.get("released") else f"held by {held.get('owner')} (epoch {held.get('epoch')})"
             raise FencedOut(f"stopped: another job took over this stage's writer lock (it is {now}; this job had "

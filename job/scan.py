@@ -214,6 +214,9 @@ class Stage2Markers:
     """Completion shard name → names of its markers made from other content (relative to hidden_states/)."""
     files: list[tuple[str, int, float | None]]
     """hidden_states/'s listing: (name, size, mtime)."""
+    orphans: list[str]
+    """Markers and parts of completion shards that no longer exist (moved aside, or re-cut into other units by a
+    rerun): nothing counts them; stage 2 deletes them."""
 
 
 def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str, ShardCheck],
@@ -228,8 +231,11 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
         parsed = layout.parse_marker_name(name)
         if parsed is not None:
             by_stem.setdefault(parsed[0], []).append((name, parsed[1]))
+    stems = {layout.hidden_state_stem(shard.uri, completions_dir) for shard in shards}
     wanted = [(shard, name, limit) for shard in shards
               for name, limit in by_stem.get(layout.hidden_state_stem(shard.uri, completions_dir), [])]
+    orphans = [name for name, _, _ in files
+               if (stem := layout.hidden_state_file_stem(name)) is not None and stem not in stems]
 
     def read(name: str) -> dict:
         try:
@@ -239,7 +245,7 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
 
     with ThreadPoolExecutor(max(1, min(num_threads, len(wanted)))) as pool:
         markers = list(pool.map(read, [name for _, name, _ in wanted]))
-    out = Stage2Markers(matching={}, stale={}, files=files)
+    out = Stage2Markers(matching={}, stale={}, files=files, orphans=orphans)
     for (shard, name, limit), marker in zip(wanted, markers):
         check = checks.get(shard.name, ShardCheck())
         if check.problem is None and marker_matches(marker, shard, check.shard_id):

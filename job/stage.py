@@ -38,16 +38,23 @@ def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
-        print(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']} (RAY_ADDRESS)", flush=True)
-    else:
-        # address="local": a Ray of this job's own. Plain ray.init() would find a head started on this machine with
-        # `ray start --head` (how one tries `ray job submit` before renting a cluster), join it, and refuse
-        # num_cpus with a raw ValueError. Jobs meant for that head get RAY_ADDRESS from `ray job submit`.
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
-        print("ray: a local Ray of this job's own (RAY_ADDRESS is not set; `ray job submit` sets it)", flush=True)
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=True)
+            print(f"ray: joined the cluster at {os.environ['RAY_ADDRESS']} (RAY_ADDRESS)", flush=True)
+        else:
+            # address="local": a Ray of this job's own. Plain ray.init() would find a head started on this machine
+            # with `ray start --head` (how one tries `ray job submit` before renting a cluster), join it, and refuse
+            # num_cpus with a raw ValueError. Jobs meant for that head get RAY_ADDRESS from `ray job submit`.
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+            print("ray: a local Ray of this job's own (RAY_ADDRESS is not set; `ray job submit` sets it)", flush=True)
+    except Exception as e:  # a raw traceback from deep inside Ray says less than this
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        where = f"the cluster at {os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") \
+            else "a local Ray (its session directory is under RAY_TMPDIR or /tmp/ray)"
+        raise runs.RunError(f"could not start or join Ray: {type(e).__name__}: {first}. Tried {where}; nothing was "
+                            "generated, the run directory is as it was") from None
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
     ctx.print_on_execution_start = False
@@ -69,6 +76,28 @@ def writing(config: RunConfig, stage: str, directory: str, *, take_lock: bool):
     with lock.WriterLock(config, stage, take_over=take_lock) as held:
         storage.remove_temp_files(storage.join(config.output, directory))
         yield held
+
+
+class Verdict(RuntimeError):
+    """A stage's own verdict that ends it (the canary's): the stage records its status itself."""
+
+
+@contextmanager
+def failure_recorded(config: RunConfig, stage_key: str, fence):
+    """Inside: a failure marks the stage "failed" in run.json (with its one-line reason) before it propagates, so
+    run.json never keeps saying "running" for a job that ended. A verdict the stage recorded itself (the canary's)
+    and a take-over (the new holder owns run.json now) are left as they are."""
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, (lock.LockError, Verdict)):
+            reason = (str(e).strip().splitlines() or [""])[0][:500]
+            try:
+                runs.write_run_json(config, stage_key, {"status": "failed", "error": f"{type(e).__name__}: {reason}"},
+                                    fence)
+            except Exception:  # the failure itself is what to report
+                pass
+        raise
 
 
 @dataclass

@@ -15,6 +15,7 @@ Shard writes are atomic: a reader sees either no shard or the whole shard.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import io
@@ -281,6 +282,33 @@ def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool 
     return ipc.open_file(pa.BufferReader(read_bytes(uri, storage))).read_all()
 
 
+def content_digest(uri: str, storage: StorageConfig | None = None) -> str:
+    """What a file's content is, to tell on resume whether it is still the same: a local file's SHA-256, streamed
+    (~0.5 s per GB here, docs/BENCHMARKS.md); an S3 object's ETag, which S3 derives from the content (the MD5 of
+    a single-part upload, the MD5 of the parts' MD5s of a multipart one) and changes with every upload of other
+    bytes — no download of the whole input on every start."""
+    if is_s3(uri):
+        import boto3
+
+        storage = storage or StorageConfig()
+        parsed = urlparse(uri)
+        client = boto3.client("s3", endpoint_url=s3_endpoint(storage), region_name=s3_region(storage))
+
+        def _head():
+            try:
+                return client.head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+            except Exception as e:  # botocore's errors are not OSErrors: retried like pyarrow's
+                raise OSError(f"{type(e).__name__}: {e}") from None
+
+        head = with_retries(_head, what=f"stat {uri}", storage=storage)
+        return f"etag:{head['ETag'].strip(chr(34))}"
+    h = hashlib.sha256()
+    with open(os.path.abspath(uri), "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return f"sha256:{h.hexdigest()[:32]}"
+
+
 def read_shard_schema(uri: str, storage: StorageConfig | None = None) -> pa.Schema:
     """The schema (with its metadata) of one Arrow IPC file, from its footer alone (one or two ranged reads). A file
     that is not whole (truncated, zero bytes) has no footer and raises pa.ArrowInvalid."""
@@ -363,10 +391,15 @@ class S3Object:
     def replace(self, body: bytes, etag: str) -> str:
         return self._call("put_object", Body=body, IfMatch=etag)["ETag"]
 
+    def body(self) -> bytes:
+        return self._call("get_object")["Body"].read()
+
     def read(self) -> tuple[dict, str, float]:
         """(content, etag, age in seconds by the server's clock)."""
         r = self._call("get_object")
         server_now = parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
+        if server_now.tzinfo is None:  # HTTP dates are GMT; a proxy may drop the zone name
+            server_now = server_now.replace(tzinfo=datetime.timezone.utc)
         return json.loads(r["Body"].read()), r["ETag"], (server_now - r["LastModified"]).total_seconds()
 
 

@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from job import layout, schema, storage
-from job.generate import arrow_input, jsonl_input
+from job.generate import arrow_input, jsonl_input, prompts
 from job.layout import CompletionUnit
 from job.storage import StorageConfig
 
@@ -188,12 +188,14 @@ def _schema_and_ids(f: InputFile, storage_config: StorageConfig) -> tuple[pa.Sch
 
 
 def validate_input(files: list[InputFile], storage_config: StorageConfig,
-                   ids_digests: dict[str, str] | None = None) -> pa.Schema:
+                   ids_digests: dict[str, str] | None = None, regenerate: str | None = None) -> pa.Schema:
     """Refuse input that cannot be processed at all; return the schema of the carried columns. `ids_digests`,
     when given, receives each file's ids digest (see `ids_digest`), computed from the ids read here anyway.
 
     Checks: every file has `id` and `prompt`, `messages` or `conversations`, and the same schema (JSONL: the
-    union of all keys); ids are never null and unique across the whole input. The id check reads the `id` column
+    union of all keys); ids are never null and unique across the whole input; under
+    `regenerate: every_assistant_turn`, whose outputs are named `<id>#<turn>`, no id ends in `#<digits>` (so output
+    ids are unique by construction: `a#1` beside a two-turn `a` would give two rows named `a#1`). The id check reads the `id` column
     of every file (~1 s per 10M integer parquet ids; JSONL parses every line, docs/BENCHMARKS.md); it runs on a
     run's first start only (run.json records the result and the columns).
     """
@@ -217,6 +219,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
             if nan:
                 raise InputError(f"input file {f.uri}: {nan} row(s) have a NaN `{schema.ID}`; every row needs an "
                                  "id (floating-point ids are fragile: prefer strings or integers)")
+        if regenerate == prompts.EVERY_ASSISTANT_TURN:
+            _refuse_turn_suffixes(f.uri, ids)
         # Uniqueness in ~8 bytes per id: a 64-bit hash per id (file by file), one sort, then an exact recheck of
         # the few ids whose hashes collide. Arrow's own hash table needs ~100 bytes per id (1 GB at 10M ids,
         # docs/BENCHMARKS.md); this needs ~160 MB.
@@ -243,6 +247,19 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
             raise InputError(f"input has {len(dups)} duplicate id(s), e.g. {dups[0]!r}; ids must be unique across "
                              "the input")
     return return_schema
+
+
+def _refuse_turn_suffixes(uri: str, ids: pa.Array) -> None:
+    """Under every_assistant_turn an output is `<input id>#<turn>`: refuse input ids that already end that way."""
+    if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
+        return  # integer ids cannot end in '#<digits>'
+    bad = ids.filter(pc.match_substring_regex(ids, r"#[0-9]+$"))
+    if len(bad):
+        shown = ", ".join(repr(v) for v in bad.slice(0, 5).to_pylist())
+        raise InputError(f"input file {uri}: {len(bad)} id(s) end in '#<number>' ({shown}{' …' if len(bad) > 5 else ''})"
+                         ", the form of generate.regenerate: every_assistant_turn's output ids (`<id>#<turn>`), so "
+                         "they could collide with another row's turns. Rename those ids, or use regenerate: "
+                         "last_turn")
 
 
 def _hash64(ids: pa.Array) -> np.ndarray:
@@ -331,20 +348,30 @@ def _relative(uri: str, root: str) -> str:
     return uri[len(root):].lstrip("/") if uri.startswith(root) and uri != root else uri.rsplit("/", 1)[-1]
 
 
-def describe_files(files: list[InputFile], root: str, ids_digests: dict[str, str]) -> list[dict]:
+def content_digests(files: list[InputFile], storage_config: StorageConfig, num_threads: int = 8) -> dict[str, str]:
+    """Each file's content identity (storage.content_digest: a local file's SHA-256, an S3 object's ETag)."""
+    with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
+        return dict(zip((f.uri for f in files),
+                        pool.map(lambda f: storage.content_digest(f.uri, storage_config), files)))
+
+
+def describe_files(files: list[InputFile], root: str, ids_digests: dict[str, str],
+                   contents: dict[str, str]) -> list[dict]:
     """What run.json records of each input file, to tell on resume whether it is still the same file."""
     return [{"name": _relative(f.uri, root), "format": f.format, "num_rows": f.num_rows, "size": f.size,
-             "mtime": f.mtime, "ids": ids_digests.get(f.uri)} for f in files]
+             "mtime": f.mtime, "ids": ids_digests.get(f.uri), "content": contents.get(f.uri)} for f in files]
 
 
 def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
                     storage_config: StorageConfig) -> list[dict]:
     """Refuse to resume over input that changed since the run started: a shard holds rows by position in its file,
-    so a rewritten file (a re-export, a reshuffle: same row count, other ids) would pair old shards with new rows
-    (some ids twice, some never), and an added or removed file shifts every later file's index. Not overridable.
+    so a rewritten file (a re-export, a reshuffle, an edited prompt: same row count, other rows) would pair old
+    shards with new rows (some ids twice, some never), and an added or removed file shifts every later file's
+    index. Not overridable.
 
-    Size and row count must match; a file with a new modification time (re-uploaded) is re-read and accepted only
-    if its ids are the same, in the same order. Returns the records to store (with the new times)."""
+    Every file is identified by its content on every resume, whatever its modification time says (a copy that
+    keeps times, `touch -d`): `content_digests`. Row count and size must match too. Every changed file is named.
+    Returns the records to store (with the new times)."""
     now = {_relative(f.uri, root): f for f in files}
     before = {r["name"]: r for r in recorded}
     added, removed = sorted(set(now) - set(before)), sorted(set(before) - set(now))
@@ -354,7 +381,8 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
         raise InputError(f"input {root}: its files changed since this run started ({what}). Shards are named after "
                          "a file's position in the listing, so resuming would pair them with other rows. Restore the "
                          "input, or write this input to a new --output.")
-    out = []
+    contents = content_digests(files, storage_config)
+    out, changed_files = [], []
     for name, f in now.items():
         r = before[name]
         changed = []
@@ -362,14 +390,20 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
             changed.append(f"rows {r['num_rows']:,} → {f.num_rows:,}")
         if r["size"] != f.size:
             changed.append(f"size {r['size']:,} → {f.size:,} bytes")
-        if not changed and r.get("mtime") != f.mtime and r.get("ids"):
+        if not changed and r.get("content") and r["content"] != contents[f.uri]:
+            changed.append("same size and rows, other content")
+        elif not changed and not r.get("content") and r.get("mtime") != f.mtime and r.get("ids"):
+            # A run directory from before contents were recorded: its ids, in order, are what it has.
             if ids_digest(f.uri, storage_config) != r["ids"]:
                 changed.append("same size, but other ids or another order")
         if changed:
-            raise InputError(f"input file {f.uri} changed since this run started ({'; '.join(changed)}). Its shards "
-                             "hold rows by position, so resuming would write some ids twice and others never. "
-                             "Restore the file, or write this input to a new --output.")
-        out.append({**r, "mtime": f.mtime})
+            changed_files.append(f"{f.uri} ({'; '.join(changed)})")
+        out.append({**r, "mtime": f.mtime, "content": r.get("content") or contents[f.uri]})
+    if changed_files:
+        raise InputError(f"{len(changed_files)} input file(s) changed since this run started: "
+                         f"{', '.join(changed_files[:5])}{' …' if len(changed_files) > 5 else ''}. Their shards hold "
+                         "rows by position, so resuming would write some ids twice and others never. Restore the "
+                         "files, or write this input to a new --output.")
     return out
 
 

@@ -27,7 +27,7 @@ from job.generate import inputs, quality
 log = logging.getLogger("job.generate")
 
 
-class CanaryFailed(RuntimeError):
+class CanaryFailed(stage.Verdict):
     """The first rows say the dataset would be useless; the message says what to check."""
 
 
@@ -152,7 +152,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         if recorded is not None:  # refused whatever the flags say: never resume across changed input
             file_records = inputs.check_unchanged(recorded, files, config.input, config.storage)
         else:  # a run directory from before files were recorded
-            file_records = inputs.describe_files(files, config.input, {})
+            file_records = inputs.describe_files(files, config.input, {}, inputs.content_digests(files, config.storage))
         stage.check_identity(previous, "generate", ident, allow_drift)
         recorded_schema = previous["generate"].get("input", {}).get("columns")
         if recorded_schema:  # the columns validation found (JSONL's are the keys of all rows: no re-parse)
@@ -163,8 +163,10 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
             carried = inputs.read_schema(files[0].uri, config.storage)
     else:
         digests: dict[str, str] = {}
-        carried = inputs.validate_input(files, config.storage, ids_digests=digests)
-        file_records = inputs.describe_files(files, config.input, digests)
+        carried = inputs.validate_input(files, config.storage, ids_digests=digests,
+                                        regenerate=config.generate.regenerate)
+        file_records = inputs.describe_files(files, config.input, digests,
+                                             inputs.content_digests(files, config.storage))
     total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
 
     with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock) as held:
@@ -193,18 +195,19 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
         import ray
 
-        started_ray = stage.ensure_ray(config) or joined_ray
-        try:
-            engines = engine_pool(config)
-            summaries = stage.map_units(units, _engines(config, carried, chat_template, engines, held.fence))
-            tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
-                                        num_engines=engines[0], max_engines=engines[1])
-            consume = _Consumer(config, summary, tracker, run_canary, held.fence)
-            stage.follow(summaries.iter_rows(), tracker, consume, _user_errors())
-            summary.generation_seconds = consume.window()
-        finally:
-            if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
-                ray.shutdown()
+        with stage.failure_recorded(config, "generate", held.fence):
+            started_ray = stage.ensure_ray(config) or joined_ray
+            try:
+                engines = engine_pool(config)
+                summaries = stage.map_units(units, _engines(config, carried, chat_template, engines, held.fence))
+                tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
+                                            num_engines=engines[0], max_engines=engines[1])
+                consume = _Consumer(config, summary, tracker, run_canary, held.fence)
+                stage.follow(summaries.iter_rows(), tracker, consume, _user_errors())
+                summary.generation_seconds = consume.window()
+            finally:
+                if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
+                    ray.shutdown()
         runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
                                                  "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:

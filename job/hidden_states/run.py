@@ -41,12 +41,12 @@ def _out_dir(config: RunConfig) -> str:
     return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
-def plan_units(config: RunConfig, quiet: bool = False) -> list[HiddenStateUnit]:
+def plan_units(config: RunConfig, quiet: bool = False, orphans: list[str] | None = None) -> list[HiddenStateUnit]:
     """One unit per completion shard that can be read whole (name order = input order); `config.limit` keeps the
     first N rows. The shards and their rows come from scan's one listing; a unit is done when a marker made from
     the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
     (the shard was regenerated since) are the unit's `stale` ones; shards that cannot be read whole are named in one
-    line and left out."""
+    line and left out. `orphans` receives the names of parts and markers whose completion shard no longer exists."""
     shards = scan.list_completion_shards(config.output, config.storage)
     completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     if not shards:
@@ -57,8 +57,10 @@ def plan_units(config: RunConfig, quiet: bool = False) -> list[HiddenStateUnit]:
     if problems and not quiet:
         print(scan.unreadable_line(problems, "left out of stage 2. Run stage 1 again on this output: it moves them "
                                              "aside and generates their rows again"), flush=True)
-    shards = [s for s in shards if s.name not in problems]
+    # Judged against every listed shard: a damaged one's markers are stale (its rows will be generated again), not
+    # orphans.
     markers = scan.stage2_markers(config.output, shards, checks, config.storage)
+    shards = [s for s in shards if s.name not in problems]
     units, left = [], config.limit
     for shard in shards:
         n = shard.stop - shard.start
@@ -69,6 +71,8 @@ def plan_units(config: RunConfig, quiet: bool = False) -> list[HiddenStateUnit]:
         units.append(HiddenStateUnit(uri=shard.uri, stem=stem, num_rows=n))
         if left is not None:
             left -= n
+    if orphans is not None:
+        orphans.extend(markers.orphans)
     for unit, shard in zip(units, shards):  # units are the first shards, in order
         unit.stale = markers.stale.get(shard.name, [])
         unit.existing = [name for name, _, _ in markers.files if unit.owns(name) and name not in unit.stale]
@@ -85,19 +89,24 @@ def _remove_outputs(config: RunConfig, units: list[HiddenStateUnit]) -> None:
         unit.existing = []
 
 
-def _forget_stale(config: RunConfig, units: list[HiddenStateUnit], fence) -> None:
-    """Delete the markers made from an earlier content of a completion shard (regenerated since), saying so: the
-    unit is then not done, and its actor redoes every part not made from the current content."""
+def _forget_stale(config: RunConfig, units: list[HiddenStateUnit], orphans: list[str], fence) -> None:
+    """Delete, saying so, the markers made from an earlier content of a completion shard (regenerated since): the
+    unit is then not done, and its actor redoes every part not made from the current content. And the parts and
+    markers of completion shards that no longer exist (moved aside, or re-cut into other units by a rerun of stage
+    1): nothing reads them, they would only be counted as stored bytes."""
     changed = [u for u in units if u.stale]
-    if not changed:
-        return
-    names = ", ".join(u.stem for u in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-    print(f"hidden states: {len(changed)} completion shard(s) changed since their hidden states were made ({names}): "
-          "their hidden states are made again", flush=True)
+    if changed:
+        names = ", ".join(u.stem for u in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        print(f"hidden states: {len(changed)} completion shard(s) changed since their hidden states were made "
+              f"({names}): their hidden states are made again", flush=True)
+    if orphans:
+        print(f"hidden states: deleting {len(orphans)} part(s) and marker(s) of completion shards that no longer "
+              f"exist (e.g. {orphans[0]})", flush=True)
+    doomed = [n for u in changed for n in u.stale] + sorted(orphans, key=lambda n: not n.startswith(layout.DONE_DIR))
+    for name in doomed:  # markers first: a crash in between leaves parts nobody counts, never a marker without parts
+        with fence.guard():
+            storage.delete(storage.join(_out_dir(config), name), config.storage)
     for unit in changed:
-        for name in unit.stale:
-            with fence.guard():
-                storage.delete(storage.join(_out_dir(config), name), config.storage)
         unit.stale = []
 
 
@@ -221,7 +230,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         raise ConfigError(f"config: {e}") from None
     # run.json before the listing: stage 1's status as it was when the completion shards were listed.
     previous = runs.read_run_json(config.output, config.storage) or {}
-    units = plan_units(config)
+    orphans: list[str] = []
+    units = plan_units(config, orphans=orphans)
     if previous.get("config", {}).get("model") not in (None, config.model):
         print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
               flush=True)
@@ -230,7 +240,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
                                    consequence="mix features made two ways in one output")
 
     with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
-        _forget_stale(config, units, held.fence)
+        _forget_stale(config, units, orphans, held.fence)
         if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
             print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
                   "shard's hidden states with the new settings", flush=True)
@@ -246,11 +256,13 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
         if pending:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
-            tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
-                                        done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
-                                        label="hidden-states", tokens_key="num_tokens_extracted")
-            stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
+            with stage.failure_recorded(config, STAGE, held.fence):
+                summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
+                tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
+                                            done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
+                                            label="hidden-states", tokens_key="num_tokens_extracted")
+                stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run),
+                             USER_ERRORS)
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started
