@@ -175,7 +175,7 @@ def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactl
     # --allow-drift or not, naming the file. Resuming would have paired the old shards with other rows.
     write_prompts(tmp_path / "in", rows[:64] + rows[64:][::-1], num_files=2)
     for allow in (False, True):
-        with pytest.raises(InputError, match=r"part-001\.parquet changed since this run started"):
+        with pytest.raises(InputError, match=r"1 input file\(s\) changed since this run started: \S*part-001\.parquet"):
             run_generate(config, allow_drift=allow, take_lock=allow)
     write_prompts(tmp_path / "in", rows, num_files=2)
     write_prompts(tmp_path / "extra", simple_prompts(4, prefix="extra"))

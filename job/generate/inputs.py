@@ -348,15 +348,30 @@ def _relative(uri: str, root: str) -> str:
     return uri[len(root):].lstrip("/") if uri.startswith(root) and uri != root else uri.rsplit("/", 1)[-1]
 
 
-def content_digests(files: list[InputFile], storage_config: StorageConfig, num_threads: int = 8) -> dict[str, str]:
-    """Each file's content identity (storage.content_digest: a local file's SHA-256, an S3 object's ETag)."""
+def content_digests(files: list[InputFile], storage_config: StorageConfig, num_threads: int = 8) -> dict[str, dict]:
+    """Each file's content identity: {"sha256": …} of its bytes, streamed, and for an S3 object its {"etag": …} too
+    (so that a resume need not download an unchanged input again: `check_unchanged`)."""
+    def identity(f: InputFile) -> dict:
+        out = {"sha256": storage.sha256(f.uri, storage_config)}
+        if storage.is_s3(f.uri):
+            out["etag"] = storage.etag(f.uri, storage_config)
+        return out
+
     with ThreadPoolExecutor(max(1, min(num_threads, len(files)))) as pool:
-        return dict(zip((f.uri for f in files),
-                        pool.map(lambda f: storage.content_digest(f.uri, storage_config), files)))
+        return dict(zip((f.uri for f in files), pool.map(identity, files)))
+
+
+def _same_content(recorded: dict, f: InputFile, storage_config: StorageConfig) -> bool:
+    """Whether `f` still has the content `recorded` describes. A local file is hashed again (~0.5 s per GB); an
+    S3 object whose ETag is unchanged has the same bytes, and one whose ETag changed is downloaded and hashed (a
+    re-upload of the same bytes, with another part size, is accepted)."""
+    if storage.is_s3(f.uri) and recorded.get("etag") and storage.etag(f.uri, storage_config) == recorded["etag"]:
+        return True
+    return storage.sha256(f.uri, storage_config) == recorded["sha256"]
 
 
 def describe_files(files: list[InputFile], root: str, ids_digests: dict[str, str],
-                   contents: dict[str, str]) -> list[dict]:
+                   contents: dict[str, dict]) -> list[dict]:
     """What run.json records of each input file, to tell on resume whether it is still the same file."""
     return [{"name": _relative(f.uri, root), "format": f.format, "num_rows": f.num_rows, "size": f.size,
              "mtime": f.mtime, "ids": ids_digests.get(f.uri), "content": contents.get(f.uri)} for f in files]
@@ -370,7 +385,7 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
     index. Not overridable.
 
     Every file is identified by its content on every resume, whatever its modification time says (a copy that
-    keeps times, `touch -d`): `content_digests`. Row count and size must match too. Every changed file is named.
+    keeps times, `touch -d`): `_same_content`. Row count and size must match too. Every changed file is named.
     Returns the records to store (with the new times)."""
     now = {_relative(f.uri, root): f for f in files}
     before = {r["name"]: r for r in recorded}
@@ -381,7 +396,6 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
         raise InputError(f"input {root}: its files changed since this run started ({what}). Shards are named after "
                          "a file's position in the listing, so resuming would pair them with other rows. Restore the "
                          "input, or write this input to a new --output.")
-    contents = content_digests(files, storage_config)
     out, changed_files = [], []
     for name, f in now.items():
         r = before[name]
@@ -390,7 +404,7 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
             changed.append(f"rows {r['num_rows']:,} → {f.num_rows:,}")
         if r["size"] != f.size:
             changed.append(f"size {r['size']:,} → {f.size:,} bytes")
-        if not changed and r.get("content") and r["content"] != contents[f.uri]:
+        if not changed and r.get("content") and not _same_content(r["content"], f, storage_config):
             changed.append("same size and rows, other content")
         elif not changed and not r.get("content") and r.get("mtime") != f.mtime and r.get("ids"):
             # A run directory from before contents were recorded: its ids, in order, are what it has.
@@ -398,7 +412,7 @@ def check_unchanged(recorded: list[dict], files: list[InputFile], root: str,
                 changed.append("same size, but other ids or another order")
         if changed:
             changed_files.append(f"{f.uri} ({'; '.join(changed)})")
-        out.append({**r, "mtime": f.mtime, "content": r.get("content") or contents[f.uri]})
+        out.append({**r, "mtime": f.mtime})
     if changed_files:
         raise InputError(f"{len(changed_files)} input file(s) changed since this run started: "
                          f"{', '.join(changed_files[:5])}{' …' if len(changed_files) > 5 else ''}. Their shards hold "
