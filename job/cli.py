@@ -154,6 +154,9 @@ def _config(args) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from job import redaction
+
+    redaction.install()  # everything this process prints or logs from here on passes job/redaction.py
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     from job.generate.engine import EngineStartError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,7 +220,10 @@ class RunConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vllm.LLM / AsyncEngineArgs keyword arguments, passed through untouched."""
     env_vars: dict[str, str] = field(default_factory=dict)
-    """Environment for the engine actors (runtime_env): cluster workers do not inherit the driver's."""
+    """Environment for the engine actors: cluster workers do not inherit the driver's. A value `${NAME}` is taken
+    from the driver's environment when the config is loaded (so a config file holds no secret). Variables that
+    are secrets (job/redaction.py: by name or by value) are handed to each actor at construction and set in its
+    process only; the others go through Ray's runtime_env, which Ray writes to its logs."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
@@ -289,7 +293,23 @@ def load_config(path: str, **overrides) -> RunConfig:
             node = node.setdefault(p, {})
         node[leaf] = value
     # Paths in a config file are relative to the working directory (where `make`/`ray job submit` runs).
-    return _build(RunConfig, data, "")
+    config = _build(RunConfig, data, "")
+    config.env_vars = {k: _from_environment(k, v) for k, v in config.env_vars.items()}
+    return config
+
+
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _from_environment(name: str, value) -> str:
+    """`${NAME}` in an env_vars value, from this process's environment: a secret stays out of the config file."""
+    def sub(m: re.Match) -> str:
+        if m[1] not in os.environ:
+            raise ConfigError(f"config: env_vars.{name} refers to ${{{m[1]}}}, which is not set in this environment "
+                              "(set it where the driver runs: your shell, or the head node for `ray job submit`)")
+        return os.environ[m[1]]
+
+    return _REFERENCE.sub(sub, str(value))
 
 
 def to_dict(config: RunConfig) -> dict:

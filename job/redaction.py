@@ -173,6 +173,9 @@ class _RedactingStream(io.TextIOBase):
     def encoding(self):
         return getattr(self._stream, "encoding", "utf-8")
 
+    def __getattr__(self, name):  # buffer, errors, reconfigure, ...: the wrapped stream's
+        return getattr(self._stream, name)
+
 
 class _RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:

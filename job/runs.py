@@ -2,10 +2,9 @@
 writer lock that keeps two jobs from writing one output at the same time is job/lock.py.)
 
 run.json holds no credentials: S3 credentials come from the environment or the instance profile, and everything
-written to run.json passes `redact` first: any value under a key named like a secret (`hf_token`, `api_key`,
-`AWS_SECRET_ACCESS_KEY`, at any depth: engine_kwargs, env_vars, stage 2's engine_kwargs) and the password of any
-URL (`https://user:pass@host`) are replaced by "<redacted>". Reports and the notebook read run.json, so they
-never see them either.
+written to run.json passes job/redaction.py's `redact` first (by key name at any depth, and by value: URL
+credentials, signed-URL parameters, `key=value` secrets inside strings, well-known token shapes). Reports and the
+notebook read run.json, so they never see them either.
 """
 
 from __future__ import annotations
@@ -20,32 +19,8 @@ import time
 from importlib import metadata
 
 from job import layout, storage
+from job.redaction import redact
 from job.config import RunConfig, to_dict
-
-# Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.` and camelCase):
-# `hf_token` and `apiKey` are secrets, `max_tokens` and `num_speculative_tokens` are not.
-_SECRET_WORDS = {"key", "apikey", "secret", "token", "password", "passwd", "pwd", "credential", "credentials",
-                 "auth", "authorization", "cookie", "session"}
-REDACTED = "<redacted>"
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^/:@\s]*):(?P<password>[^/@\s]+)@", re.I)
-
-
-def _is_secret_name(key: str) -> bool:
-    words = re.split(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])", str(key))
-    return any(w.lower() in _SECRET_WORDS for w in words if w)
-
-
-def redact(value):
-    """A copy of `value` (JSON-like) without secrets: values under secret-named keys, URL passwords."""
-    if isinstance(value, dict):
-        return {k: (REDACTED if _is_secret_name(k) and v not in (None, "", {}, []) else redact(v))
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    if isinstance(value, str):
-        return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
-    return value
-
 
 class RunError(ValueError):
     """The run directory refuses this job (drift, a concurrent writer); the message says what to do."""

@@ -57,6 +57,18 @@ class StorageConfig:
     it, a local --input or --output on a cluster of several nodes is refused: engines on other nodes would read
     and write their own disks."""
 
+    def __post_init__(self):
+        if self.endpoint_url:
+            _refuse_credentials_in(self.endpoint_url, "storage.endpoint_url (or --endpoint-url)")
+
+
+def _refuse_credentials_in(endpoint: str, where: str) -> None:
+    if "@" in urlparse(endpoint).netloc:
+        raise StorageError(f"{where} holds credentials (user:password@ before the host): they would be printed, stored "
+                           "and sent where they do not belong. Give the endpoint without them, and the credentials as "
+                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of the driver and of every "
+                           "node (or an instance profile): docs/OPERATIONS.md, 'Secrets'")
+
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
@@ -68,8 +80,15 @@ def join(base: str, *parts: str) -> str:
 
 
 def s3_endpoint(storage: StorageConfig) -> str | None:
-    """The S3 endpoint URL: the config's, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else None (AWS itself)."""
-    return storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    """The S3 endpoint URL: the config's, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else None (AWS itself).
+    An endpoint with credentials in it is refused (`_refuse_credentials_in`)."""
+    for where, value in (("storage.endpoint_url (or --endpoint-url)", storage.endpoint_url),
+                         ("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                         ("AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL"))):
+        if value:
+            _refuse_credentials_in(value, where)
+            return value
+    return None
 
 
 def s3_region(storage: StorageConfig) -> str:

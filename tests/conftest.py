@@ -15,11 +15,13 @@ their own, and a test that needs a run of its own says why.
 from __future__ import annotations
 
 import gc
+import io
 import os
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,6 +357,8 @@ class SharedRun:
     num_s3_faults: int
     hidden_states: dict  # stage 2's summary
     bucket: str
+    secrets: dict  # env_vars of unique fake secrets, one of each shape, given to both stages
+    output: str  # everything both stages printed (stdout and stderr)
 
     @property
     def num_rows(self) -> int:
@@ -377,6 +381,9 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
     from job.hidden_states import run_hidden_states
 
     ensure_local_ray()
+    secrets = fake_secrets()
+    secret_env = {f"env_vars.{k}": v for k, v in secrets.items()}
+    printed = io.StringIO()
     bucket = make_bucket(s3_server, "shared-run")
     rows = shared_input_rows()
     for name, data in shared_input_files(rows).items():
@@ -394,9 +401,10 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
                                              "generate.rows_per_shard": SHARED_ROWS_PER_SHARD,
                                              "quality.canary_rows": 16,
                                              # 0 = no hang watchdog (it once meant: every engine declared hung)
-                                             "generate.hang_timeout_s": 0})
-        summary = run_generate(config)
-        rerun = run_generate(config)
+                                             "generate.hang_timeout_s": 0, **secret_env})
+        with _tee(printed):
+            summary = run_generate(config)
+            rerun = run_generate(config)
         num_faults = proxy.num_faults
 
     base = tmp_path_factory.mktemp("shared-run")
@@ -407,12 +415,72 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
         return str(local)
 
     stage1 = copy_to(base / "stage1")
-    stage2_config = load_config(DEMO_CONFIG, model=tiny_model_dir, output=output)
-    hidden = run_hidden_states(stage2_config)
+    stage2_config = load_config(DEMO_CONFIG, model=tiny_model_dir, output=output, **secret_env)
+    with _tee(printed):
+        hidden = run_hidden_states(stage2_config)
     full = copy_to(base / "full")
     return SharedRun(s3=output, full=full, stage1=stage1, input_uri=f"s3://{bucket}/prompts", rows=rows[:limit],
                      model=tiny_model_dir, config=config, summary=summary, rerun=rerun,
-                     num_s3_faults=num_faults, hidden_states=hidden, bucket=bucket)
+                     num_s3_faults=num_faults, hidden_states=hidden, bucket=bucket, secrets=secrets,
+                     output=printed.getvalue())
+
+
+def fake_secrets() -> dict[str, str]:
+    """One unique fake secret of each shape the job must keep to itself (issue 28), as env_vars: by name (HF_TOKEN,
+    SIGNING_PASSPHRASE, GH_PAT, SENTRY_DSN, a connection string) and by value alone (an AWS key id under a name that
+    says nothing)."""
+    import secrets as rnd
+    import string
+
+    def chars(n: int, alphabet: str = string.ascii_letters + string.digits) -> str:
+        return "".join(rnd.choice(alphabet) for _ in range(n))
+
+    return {"HF_TOKEN": f"hf_{chars(34)}", "SIGNING_PASSPHRASE": f"pass-{chars(24)}", "GH_PAT": f"ghp_{chars(36)}",
+            "SENTRY_DSN": f"https://{rnd.token_hex(16)}@o1.ingest.sentry.io/1",
+            "AZURE_STORAGE_CONNECTION_STRING": f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey="
+                                               f"{chars(86)}==;EndpointSuffix=core.windows.net",
+            "BACKUP_NOTE": f"AKIA{chars(16, string.ascii_uppercase + string.digits)}"}
+
+
+def secret_values(secrets: dict[str, str]) -> list[str]:
+    """The parts of each fake secret that must appear nowhere (a connection string: its key)."""
+    return [v.split("AccountKey=")[1].split(";")[0] if "AccountKey=" in v else
+            v.split("//")[1].split("@")[0] if v.startswith("https://") else v for v in secrets.values()]
+
+
+def files_holding(root: str | Path, needles: list[str]) -> list[str]:
+    """'path: needle' for every file under `root` (recursively, any size, binary too) that holds one of `needles`."""
+    found, encoded = [], [n.encode() for n in needles]
+    for path in Path(root).rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                found += [f"{path}: {n.decode()[:12]}…" for n in encoded if n in data]
+        except OSError:  # a socket, or a file removed while we walk
+            pass
+    return found
+
+
+@contextmanager
+def _tee(buffer: io.StringIO):
+    """Print as usual and keep a copy of everything written to stdout and stderr in `buffer`."""
+    class Tee(io.TextIOBase):
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, s):
+            buffer.write(s)
+            return self.stream.write(s)
+
+        def flush(self):
+            self.stream.flush()
+
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Tee(out), Tee(err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def check_completions(table: pa.Table, tokenizer, input_rows: list[dict]):

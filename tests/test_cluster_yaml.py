@@ -58,6 +58,12 @@ def test_security_and_credentials(cluster):
     assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     head_start = " ".join(cluster["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start  # dashboard/job API only through `ray dashboard` tunnel
+    # The metrics port answers only on the node's cluster address and loopback, on every node type (issue 28).
+    port = re.search(r"--metrics-export-port=(\d+)", head_start)[1]
+    for name, node in cluster["available_node_types"].items():
+        init = " ".join(node.get("initialization_commands", []))
+        assert f"--dport {port} ! -i lo ! -d \"$IP\" -j DROP" in init, name
+        assert 'if ($i == "src")' in init, name  # $IP: the address the node's default route leaves from
 
 
 def test_container_runtime(cluster):

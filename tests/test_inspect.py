@@ -102,6 +102,57 @@ def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared
     assert run.rerun.already_complete and run.rerun.num_rows == 0
 
 
+def test_no_secret_of_the_shared_run_is_in_rays_session_the_run_or_its_output(shared_run):
+    """Issue 28: the shared run gave both stages unique fake secrets of every shape as env_vars (job/redaction.py
+    decides which are secrets, by name or value). Ray writes runtime envs to its logs (runtime_env_agent.log held the
+    token in clear text) and shows them in the dashboard: secrets go to the actors at construction instead. Every
+    file of this Ray session, both copies of the run directory and everything the job printed: zero hits."""
+    import ray
+
+    from conftest import files_holding, secret_values
+
+    needles = secret_values(shared_run.secrets)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    assert os.path.isfile(os.path.join(session, "logs", "runtime_env_agent.log")), "the runtime envs were logged"
+    assert files_holding(session, needles) == []
+    assert files_holding(shared_run.full, needles) == [] and files_holding(shared_run.stage1, needles) == []
+    assert "[generate]" in shared_run.output and not [n for n in needles if n in shared_run.output]
+    record = json.loads(open(os.path.join(shared_run.full, "run.json")).read())
+    assert set(record["config"]["env_vars"]) >= set(shared_run.secrets)  # recorded by name, values redacted
+    assert all(record["config"]["env_vars"][k] == "<redacted>" for k in shared_run.secrets)
+
+
+def test_a_secret_reaches_the_actor_process_without_ray_recording_it(local_ray):
+    """The mechanism both stages' actors use (their constructor's first line): the secret travels in the actor's
+    constructor arguments and is set in that process only; the plain variables go through runtime_env. The actor
+    sees both; Ray's session files never hold the secret."""
+    import hashlib
+    import secrets as rnd
+
+    import ray
+
+    from conftest import files_holding
+    from job import redaction
+
+    token = f"hf_{rnd.token_hex(20)}"
+    env = {"HF_TOKEN": token, "DATAGEN_PLAIN": "visible"}
+    plain, secret = redaction.split_env(env)
+
+    @ray.remote(num_cpus=0.1)
+    class Probe:
+        def __init__(self, secret_env):
+            redaction.apply_secret_env(secret_env)
+
+        def seen(self):
+            return hashlib.sha256(os.environ.get("HF_TOKEN", "").encode()).hexdigest(), os.environ.get("DATAGEN_PLAIN")
+
+    probe = Probe.options(runtime_env={"env_vars": plain}).remote(secret)
+    assert ray.get(probe.seen.remote()) == (hashlib.sha256(token.encode()).hexdigest(), "visible")
+    ray.kill(probe)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    assert files_holding(session, [token]) == []
+
+
 def test_input_column_named_like_a_completion_column_is_carried_under_a_prefix(table):
     """The input's `answer` (the dataset's gold answer) is kept as `input_answer`; `answer` is the model's."""
     by_id = {r["id"]: r for r in table.to_pylist()}

@@ -76,6 +76,7 @@ def ray_head():
     # CLI, the head and the job all read it), so the user's ~/.ray/auth_token is neither read nor written.
     env["RAY_AUTH_MODE"] = "token"
     env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    env["HF_TOKEN"] = f"hf_{secrets.token_hex(20)}"  # a unique fake secret in the node's environment (issue 28)
     log = open(os.path.join(tmp, "ray-start.log"), "w")
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(gcs),
@@ -120,9 +121,15 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     address, metrics_url, env, temp_dir = ray_head
     prompts = write_demo_prompts(str(tmp_path / "prompts"), num_prompts=32, num_shards=2)
     output = str(tmp_path / "run")
+    # A secret as OPERATIONS says to give one (issue 28): in the head node's environment (the head was started with
+    # it; the job's driver inherits it), referenced from the config as ${HF_TOKEN}, so the config file holds none.
+    token = env["HF_TOKEN"]
+    config = tmp_path / "config.yaml"
+    config.write_text((REPO / "configs" / "demo.yaml").read_text().replace(
+        "env_vars:", "env_vars:\n  HF_TOKEN: ${HF_TOKEN}"))
     # The working dir is uploaded without .gitignored paths (.venv, .cache): the model and data are passed as
     # absolute paths on this machine, as a cluster job would name S3 URIs or node-local paths.
-    entrypoint = ["python", "-m", "job", "generate", "--config", "configs/demo.yaml",
+    entrypoint = ["python", "-m", "job", "generate", "--config", str(config),
                   "--model", os.path.abspath(tiny_model_dir), "--input", prompts, "--output", output,
                   "--limit", str(NUM_ROWS)]
     metrics_seen: set[str] = set()
@@ -143,7 +150,7 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     # The same head still running, a user runs stage 2 on this machine without RAY_ADDRESS (`make demo` does the
     # same). A plain ray.init() would find the head through ray_current_cluster and refuse num_cpus with a raw
     # ValueError; the job starts a Ray of its own instead, and says so.
-    local = subprocess.run([sys.executable, "-m", "job", "hidden-states", "--config", "configs/demo.yaml",
+    local = subprocess.run([sys.executable, "-m", "job", "hidden-states", "--config", str(config),
                             "--output", output], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     assert "\nray: a local Ray of this job's own" in local.stdout, local.stdout[:1000]
@@ -165,6 +172,13 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     assert st["rows_done"] == NUM_ROWS and st["rows_remaining"] == 0 and st["output_tokens"] > 0
     assert cli.main(["plan", "--from", output, "--prompts", "914000", "--gpus", "8", "--usd-per-gpu-hour",
                      "3.81"]) == 0
+
+    # The secret reached the job and appears nowhere: not in any file of the head's Ray temp dir (sessions, logs,
+    # the uploaded working dir, runtime env logs), not in the run directory, not in the job's output.
+    from conftest import files_holding
+
+    assert files_holding(temp_dir, [token]) == [] and files_holding(output, [token]) == []
+    assert token not in logs and token not in local.stdout + local.stderr
 
     # The progress figures reached Ray's Prometheus endpoint (exported from the driver via ray.util.metrics,
     # scraped every 2 s while the job ran; the driver's heartbeat sets them during the ~30 s of engine start-up).

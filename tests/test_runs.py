@@ -9,14 +9,15 @@ from conftest import DEMO_CONFIG
 
 from job import runs, storage
 from job.config import load_config
+from job.redaction import REDACTED
 
 
 def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
-    secrets = ["hf_SECRET_engine", "hf_SECRET_stage2", "SECRETPASSWORD", "SECRET_env_value", "sk-SECRET-api"]
+    secrets = ["hf_SECRET_engine", "hf_SECRET_stage2", "SECRETSIGNATURE", "SECRET_env_value", "sk-SECRET-api"]
     config = load_config(DEMO_CONFIG, output=str(tmp_path / "run"), **{
         "engine_kwargs": {"hf_token": secrets[0], "max_num_batched_tokens": 4096},
         "hidden_states.engine_kwargs": {"hf_token": secrets[1]},
-        "storage.endpoint_url": f"http://minio-user:{secrets[2]}@127.0.0.1:9",
+        "input": f"https://b.s3.amazonaws.com/p.parquet?X-Amz-Date=20260101T000000Z&X-Amz-Signature={secrets[2]}",
         "env_vars": {"HF_TOKEN": secrets[3], "VLLM_CPU_KVCACHE_SPACE": "1"},
         "generate.chat_template_kwargs": {"openai": {"apiKey": secrets[4]}},
     })
@@ -30,9 +31,9 @@ def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
     for s in secrets:
         assert s not in text, s
     run = runs.read_run_json(config.output, config.storage)
-    assert run["config"]["engine_kwargs"] == {"hf_token": runs.REDACTED, "max_num_batched_tokens": 4096}
-    assert run["config"]["storage"]["endpoint_url"] == f"http://minio-user:{runs.REDACTED}@127.0.0.1:9"
-    assert run["config"]["env_vars"] == {"HF_TOKEN": runs.REDACTED, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert run["config"]["engine_kwargs"] == {"hf_token": REDACTED, "max_num_batched_tokens": 4096}
+    assert run["config"]["input"].endswith(f"X-Amz-Date=20260101T000000Z&X-Amz-Signature={REDACTED}")
+    assert run["config"]["env_vars"] == {"HF_TOKEN": REDACTED, "VLLM_CPU_KVCACHE_SPACE": "1"}
     # Stage 2 keeps stage 1's provenance (its model, its config) and records its own beside it.
     assert run["config"]["model"] == config.model
     assert run["hidden_states"]["provenance"]["config"]["model"] == "other-model"

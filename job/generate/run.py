@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import layout, progress, report, runs, scan, stage, storage
+from job import layout, progress, redaction, report, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig
 from job.generate import inputs, quality
 
@@ -252,7 +252,7 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
         units_per_actor=config.generate.units_in_flight_per_engine,
         gpus_per_actor=config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0,
         max_retries=-1,  # a dead engine kills its actor (see engine.py): restart it and retry its units, forever
-        runtime_env={"env_vars": dict(config.env_vars)})
+        runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})  # secrets: at construction (engine.py)
 
 
 class _Consumer:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from job import layout, schema, storage
+from job import layout, redaction, schema, storage
 from job.config import ConfigError
 from job.hidden_states.checks import (FeatureStats, compare, pick_samples, reference_features, split_features,
                                       tolerance_for, verdict)
@@ -36,6 +36,8 @@ class HiddenStateExtractor:
         """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
         None skips the check. `fence`: the driver's writer lock (job/lock.py); every part and marker is committed
         only while the driver holds it."""
+        # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
+        redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
         import torch
 
         from job.cluster import model_missing_here

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from job import layout, progress, runs, scan, schema, stage, storage
+from job import layout, progress, redaction, runs, scan, schema, stage, storage
 from job.formatting import format_bytes
 from job.config import ConfigError, RunConfig, resolve_layer_ids
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
@@ -202,7 +202,7 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
          "fence": fence},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
-        runtime_env={"env_vars": dict(config.env_vars)}))
+        runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]}))  # secrets: at construction (actor.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     try:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
-        task = task.options(runtime_env={"env_vars": dict(config.env_vars)})
+        task = task.options(runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})
         try:
             return ray.get(task.remote(to_dict(config), chosen))
         except Exception as e:
@@ -392,6 +392,7 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     from job.hidden_states.samples import Sample
     from job.hidden_states.transformers_backend import load_model
 
+    redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])  # as the actors do
     config = from_dict(config_dict)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
