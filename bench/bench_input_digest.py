@@ -57,25 +57,27 @@ def main() -> None:
     from conftest import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         endpoint = f"http://127.0.0.1:{port}"
         os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_ENDPOINT_URL=endpoint)
-        for _ in range(100):
+        for _ in range(600):  # moto's server takes a few seconds to start
             try:
-                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="b")
+                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench-digest")
                 break
             except Exception:
                 time.sleep(0.1)
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").upload_file(path, "b", "input.bin")
+        else:
+            raise RuntimeError("moto did not start within 60 s")
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").upload_file(path, "bench-digest", "input.bin")
         t = time.perf_counter()
-        storage.sha256("s3://b/input.bin")
+        storage.sha256("s3://bench-digest/input.bin")
         dt = time.perf_counter() - t
         print(f"| S3 SHA-256 (first start: a download, moto on loopback) | {gb:.1f} GB | {dt:.2f} | {dt / gb:.2f} |")
         t = time.perf_counter()
         for _ in range(10):
-            storage.etag("s3://b/input.bin")
+            storage.etag("s3://bench-digest/input.bin")
         dt = (time.perf_counter() - t) / 10
         print(f"| S3 ETag (resume: one HEAD, moto on loopback) | {gb:.1f} GB | {dt:.3f} | {dt / gb:.3f} |")
     finally:

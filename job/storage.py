@@ -302,15 +302,31 @@ def read_shard(uri: str, storage: StorageConfig | None = None, memory_map: bool 
 
 
 def sha256(uri: str, storage: StorageConfig | None = None) -> str:
-    """The SHA-256 of a file's bytes, streamed in 4 MB reads (local: ~0.5 s per GB here; S3: the download)."""
-    fs, path = resolve(uri, storage)
-
-    def _hash() -> str:
+    """The SHA-256 of a file's bytes, streamed in 4 MB pieces (local: ~0.6 s per GB here). An S3 object is read
+    with one GET streamed through (pyarrow's input stream would make a ranged GET per piece)."""
+    if not is_s3(uri):
         h = hashlib.sha256()
-        with fs.open_input_stream(path) as f:
+        with open(os.path.abspath(uri), "rb") as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
         return h.hexdigest()[:32]
+    import boto3
+
+    storage = storage or StorageConfig()
+    parsed = urlparse(uri)
+    client = boto3.client("s3", endpoint_url=s3_endpoint(storage), region_name=s3_region(storage))
+
+    def _hash() -> str:
+        try:
+            body = client.get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))["Body"]
+            h = hashlib.sha256()
+            for chunk in body.iter_chunks(1 << 22):
+                h.update(chunk)
+            return h.hexdigest()[:32]
+        except Exception as e:  # botocore's errors are not OSErrors: retried like pyarrow's
+            if "NoSuchKey" in str(e) or "404" in str(e):
+                raise FileNotFoundError(uri) from None
+            raise OSError(f"{type(e).__name__}: {e}") from None
 
     return with_retries(_hash, what=f"read {uri}", storage=storage)
 
