@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from job import layout, storage  # noqa: E402
+from job import layout, scan, storage  # noqa: E402
 from job.generate import inputs
 from job.storage import StorageConfig  # noqa: E402
 
@@ -67,8 +67,11 @@ def main() -> None:
         files = inputs.list_input_files(str(inp), sc)
         # Half the run done: every unit of the first half of the files has its shard.
         done_units = inputs.pending_units(files[: args.files // 2], [], None, args.rows_per_shard)
+        # Real (small) shard files: a resume reads every shard's footer before it trusts it (issue 27).
+        shard = storage.table_to_ipc_bytes(pa.table({"id": pa.array([str(i) for i in range(args.rows_per_shard)]),
+                                                     "error": pa.nulls(args.rows_per_shard, pa.string())}))
         for u in done_units:
-            (out / u.shard_name).touch()
+            (out / u.shard_name).write_bytes(shard)
         print(f"setup: {args.rows:,} rows in {args.files} files, {len(done_units):,} shards done "
               f"({time.perf_counter() - t0:.0f} s)\n")
         print("| step (10M-row input, half done) | seconds | peak Python MiB | Arrow pool high-water MiB |")
@@ -77,8 +80,15 @@ def main() -> None:
         measure("2. validate ids (first run only)", lambda: inputs.validate_input(files, sc))
         names = measure("3. list output shards", lambda: [u.rsplit("/", 1)[-1] for u in
                                                            storage.list_files(str(out), ".arrow", sc)])
+        listed = scan.list_completion_shards(str(out.parent), sc)
+        checks = measure("3b. read every shard's footer (resume trusts content)",
+                         lambda: scan.check_completion_shards(listed, sc))
+        assert not scan.unreadable(checks)
         units = measure("4. rows left → work units", lambda: inputs.pending_units(
             files, names, None, args.rows_per_shard))
+        recorded = inputs.describe_files(files, str(inp), {}, inputs.content_digests(files, sc))
+        measure("5. input unchanged? (SHA-256 of every file, every resume)",
+                lambda: inputs.check_unchanged(recorded, files, str(inp), sc))
         done = inputs.count_done_rows(files, names, None)
         print(f"\n{len(names):,} shards done = {done:,} rows; {len(units):,} units left = "
               f"{sum(u.num_rows for u in units):,} rows; process max RSS "
