@@ -46,8 +46,19 @@ def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
             # address="local": a Ray of this job's own. Plain ray.init() would find a head started on this machine
             # with `ray start --head` (how one tries `ray job submit` before renting a cluster), join it, and refuse
             # num_cpus with a raw ValueError. Jobs meant for that head get RAY_ADDRESS from `ray job submit`.
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+            for attempt in range(3):
+                try:
+                    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                             log_to_driver=True, configure_logging=False)
+                    break
+                except Exception as e:
+                    # Ray gives its raylet a fixed 30 s to register (ray/_private/node.py); on a machine busy with
+                    # other work (CI, another job's engines) it can miss that once: start again.
+                    if "timed out during startup" not in str(e) or attempt == 2:
+                        raise
+                    print(f"ray: the local Ray did not start within Ray's 30 s (a busy machine?); trying again "
+                          f"({attempt + 2} of 3)", flush=True)
+                    ray.shutdown()
             print("ray: a local Ray of this job's own (RAY_ADDRESS is not set; `ray job submit` sets it)", flush=True)
     except Exception as e:  # a raw traceback from deep inside Ray says less than this
         first = (str(e).strip().splitlines() or [""])[0][:300]

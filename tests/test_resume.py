@@ -85,8 +85,13 @@ def _start_job(cmd: list[str]) -> subprocess.Popen:
     # a write.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fault_injection")]),
            "DATAGEN_TEST_WRITE_DELAY_S": "1.5"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = open(Path(cmd[cmd.index("--output") + 1]).parent / "driver.log", "ab")  # read when a wait times out
+    return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _driver_log(run: Path) -> str:
+    path = run.parent / "driver.log"
+    return path.read_bytes().decode(errors="replace")[-4000:] if path.exists() else ""
 
 
 def _kill_job(proc: subprocess.Popen) -> None:
@@ -119,7 +124,10 @@ def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactl
     # 1. Killed while its engine starts: nothing is committed, whatever was begun.
     proc = _start_job(cmd)
     try:
-        wait_for(lambda: processes("EngineCore", proc.pid), 300, "the engine to start")  # under load: minutes
+        try:
+            wait_for(lambda: processes("EngineCore", proc.pid), 300, "the engine to start")  # under load: minutes
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; the driver's log ends:\n{_driver_log(run)}") from None
     finally:
         _kill_job(proc)
     for p in shards(run):  # every visible shard is whole
