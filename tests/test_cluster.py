@@ -149,6 +149,11 @@ def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server,
     node_c = _add_node(c, "C")
     _wait(lambda: storage.list_files(f"{output}/completions", ".arrow", config.storage)
           and _actor_nodes("CompletionGenerator") & {node_a.node_id, node_b.node_id}, job, "a shard and a live engine")
+    # Let the pool's third engine take node C first (up to 2 min; it is still starting when the first shard lands on
+    # a busy machine): killed before, the lost engine's restart took C's free GPU and D got none (CI, once).
+    deadline = time.monotonic() + 120
+    while node_c.node_id not in _actor_nodes("CompletionGenerator") and time.monotonic() < deadline and job.is_alive():
+        time.sleep(0.5)
     victim = node_b if node_b.node_id in _actor_nodes("CompletionGenerator") else node_a
     survivor = node_a if victim is node_b else node_b
     c.remove_node(victim, allow_graceful=False)
