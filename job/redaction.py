@@ -31,7 +31,7 @@ REDACTED = "<redacted>"
 # Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.`, spaces and
 # camelCase): `hf_token` and `apiKey` are secrets, `max_tokens` and `num_speculative_tokens` are not.
 _SECRET_WORDS = {"key", "apikey", "accountkey", "secret", "token", "password", "passwd", "pwd", "passphrase",
-                 "credential", "credentials", "auth", "authorization", "cookie", "session", "signature", "sig",
+                 "credential", "credentials", "authorization", "cookie", "session", "signature", "sig",
                  "dsn", "pat", "sas"}
 
 
