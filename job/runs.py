@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import subprocess
 import time
 from importlib import metadata

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import time
 from collections import Counter
 
 import pyarrow as pa

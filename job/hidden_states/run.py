@@ -41,7 +41,7 @@ def _out_dir(config: RunConfig) -> str:
     return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
-def plan_units(config: RunConfig, quiet: bool = False, orphans: list[str] | None = None) -> list[HiddenStateUnit]:
+def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[HiddenStateUnit]:
     """One unit per completion shard that can be read whole (name order = input order); `config.limit` keeps the
     first N rows. The shards and their rows come from scan's one listing; a unit is done when a marker made from
     the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
@@ -54,7 +54,7 @@ def plan_units(config: RunConfig, quiet: bool = False, orphans: list[str] | None
                           "(`python -m job generate ...`) or point --output at its run directory")
     checks = scan.check_completion_shards(shards, config.storage)
     problems = scan.unreadable(checks)
-    if problems and not quiet:
+    if problems:
         print(scan.unreadable_line(problems, "left out of stage 2. Run stage 1 again on this output: it moves them "
                                              "aside and generates their rows again"), flush=True)
     # Judged against every listed shard: a damaged one's markers are stale (its rows will be generated again), not
