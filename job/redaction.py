@@ -99,6 +99,10 @@ def redact_text(text: str) -> str:
     def key_value(m: re.Match) -> str:
         if m["value"] == REDACTED or not is_secret_name(m["key"]):
             return m[0]
+        if m["sep"].strip() == ":" and m["sep"] != ":" and len(m["value"]) < 8:
+            # "name: word" with a space is prose as often as YAML ("no loss-mask token: an empty completion" lost
+            # its "an"); a secret is longer than a word of prose. "name=value" and "name:value" stay redacted.
+            return m[0]
         return f"{m['key']}{m['sep']}{m['quote']}{REDACTED}"
 
     text = _URL_USERINFO.sub(userinfo, text)

@@ -17,6 +17,7 @@ from job.redaction import REDACTED, redact, redact_text
 
 # Every shape of secret the issue names (fake values, the right form), each with the text around it.
 SHAPES = {
+    "yaml password": ("password: hunter2-but-longer", "hunter2-but-longer"),
     "passphrase by name": ("SIGNING_PASSPHRASE=correct-horse-battery-staple", "correct-horse-battery-staple"),
     "azure connection string": ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey="
                                 "Zm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9v"
@@ -60,6 +61,7 @@ def test_each_shape_of_secret_is_redacted_by_value(text, secret):
     "[generate] 31/31 rows (100.0%) | 248 tok/s now | errors 19.4% | engines 0/1",
     "error: input file /data/in/part-000.parquet has no `id` column (columns: ['key', 'prompt'])",
     "http://127.0.0.1:9000 and https://huggingface.co/Qwen/Qwen3.6-27B",
+    "dropped 1: no loss-mask token: an empty completion, nothing to train on",
 ])
 def test_what_is_not_a_secret_is_left_alone(text):
     assert redact_text(text) == text
