@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens-per-prompt", type=float, help="mean prompt tokens (storage only; default 0)")
     pl.add_argument("--hidden-bytes-per-token", type=float,
                     help="stage-2 bytes per token: layers × hidden size × 2 (default "
-                         f"{plan.DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 5 × 5120 × bf16, Qwen3.6-27B DFlash)")
+                         f"{plan.DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 7 × 5120 × bf16: Qwen3.6-27B, every "
+                         "trainer's layers; DFlash's 5 alone: 51,200)")
     pl.add_argument("--completion-bytes-per-token", type=float,
                     help=f"completion shard bytes per output token (default {plan.DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
     pl.add_argument("--usd-per-gb-month", type=float, default=plan.DEFAULT_USD_PER_GB_MONTH,

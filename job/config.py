@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from job.drafters import EVERY_TRAINER, every_trainer_layers
 from job.storage import StorageConfig
 
 
@@ -119,15 +120,19 @@ class GenerateConfig:
 @dataclass(kw_only=True)
 class HiddenStatesConfig:
     # Owned by the stage-2 module (job/hidden_states/).
-    layer_ids: list[int] = field(default_factory=lambda: [0])
-    """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]
-    (for the last layer that is after the final norm, as in transformers). Negative ids count from the end
-    (-1 = last layer)."""
-    last_layer_before_norm: bool = False
+    layer_ids: list[int] | str = "every_trainer"
+    """Decoder layers to capture; layer k = output of decoder layer k = transformers hidden_states[k + 1]. Negative
+    ids count from the end (-1 = last layer). Default "every_trainer": the layers every drafter trainer reads
+    (SpecForge's DFlash layers, the EAGLE-3 low/middle/high layers of both trainers, and the last layer; see
+    job/drafters.py), so one stage-2 run exports to all four (SpecForge and speculators, DFlash and EAGLE-3). For
+    Qwen3.6-27B that is [1, 16, 31, 46, 60, 61, 63]."""
+    last_layer_before_norm: bool = True
     """Store the model's last layer (when in layer_ids) as the final decoder layer's own output, BEFORE the final
-    norm: what vLLM's aux hidden states and vLLM speculators' last slot hold (`python -m job export --to
-    speculators` needs it). Default false: after the norm, as transformers' output_hidden_states returns it and as
-    SpecForge's EAGLE-3 `hidden_state` wants it. Shard metadata records which (`last_layer_norm`)."""
+    norm: what vLLM's aux hidden states and vLLM speculators' last slot hold. The export applies the target's final
+    norm where a trainer wants the layer after it (SpecForge's EAGLE-3 `hidden_state`), exactly as the model does;
+    the other way round is impossible (a norm cannot be undone). false: store it after the norm, as transformers'
+    output_hidden_states returns it (such a run exports to SpecForge only). Shard metadata records which
+    (`last_layer_norm`)."""
     max_length: int = 4096
     """Sequences longer than this are clipped (recorded per sample)."""
     backend: str = "transformers"
@@ -164,9 +169,11 @@ class HiddenStatesConfig:
     """vllm.LLM keyword arguments for the vllm backend, passed through untouched."""
 
     def __post_init__(self):
-        if not self.layer_ids or not all(isinstance(k, int) for k in self.layer_ids):
-            raise ConfigError("config: hidden_states.layer_ids must be a non-empty list of ints, "
-                              f"got {self.layer_ids!r}")
+        if self.layer_ids != EVERY_TRAINER and (
+                isinstance(self.layer_ids, str) or not self.layer_ids
+                or not all(isinstance(k, int) and not isinstance(k, bool) for k in self.layer_ids)):
+            raise ConfigError(f"config: hidden_states.layer_ids must be {EVERY_TRAINER!r} or a non-empty list of "
+                              f"ints, got {self.layer_ids!r}")
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"config: hidden_states.backend must be 'transformers' or 'vllm', "
                               f"got {self.backend!r}")
@@ -190,9 +197,14 @@ class HiddenStatesConfig:
         return resolve_layer_ids(self.layer_ids, num_layers)
 
 
-def resolve_layer_ids(layer_ids: Iterable[int], num_layers: int) -> list[int]:
-    """The one place layer ids are resolved: negative ids count from the end (-1 = last layer = num_layers - 1);
-    every id must name a decoder layer of the model, each at most once. Raises ConfigError (a ValueError)."""
+def resolve_layer_ids(layer_ids: Iterable[int] | str, num_layers: int) -> list[int]:
+    """The one place layer ids are resolved: "every_trainer" becomes the union of the trainers' layers for this
+    model (job/drafters.py); negative ids count from the end (-1 = last layer = num_layers - 1); every id must name a
+    decoder layer of the model, each at most once. Raises ConfigError (a ValueError)."""
+    if layer_ids == EVERY_TRAINER:
+        return every_trainer_layers(num_layers)
+    if isinstance(layer_ids, str):
+        raise ConfigError(f"hidden_states.layer_ids must be {EVERY_TRAINER!r} or a list of ints, got {layer_ids!r}")
     layer_ids = list(layer_ids)
     resolved = []
     for k in layer_ids:

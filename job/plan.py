@@ -2,7 +2,7 @@
 
     python -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 7 \
         --tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81
-    # → ~45.3 h, ~$1,209, $0.53 per million output tokens, ~11 GB of completions, ~117 TB of hidden states
+    # → ~45.3 h, ~$1,209, $0.53 per million output tokens, ~11 GB of completions, ~164 TB of hidden states (every trainer's layers)
 
     # measure first (a canary-sized run on the real cluster), then plan the full run from it:
     python -m job plan --from s3://my-bucket/runs/canary --prompts 914000 --gpus 8 --usd-per-gpu-hour 3.81
@@ -44,8 +44,11 @@ from dataclasses import asdict, dataclass
 from job.formatting import format_bytes
 
 
-# Qwen3.6-27B with the DFlash layer set [1, 16, 31, 46, 61]: 5 layers × hidden 5120 × 2 bytes (bf16).
-DEFAULT_HIDDEN_BYTES_PER_TOKEN = 5 * 5120 * 2
+# Qwen3.6-27B with the default layer set, every trainer's layers (job/drafters.py): [1, 16, 31, 46, 60, 61, 63],
+# 7 layers × hidden 5120 × 2 bytes (bf16). DFlash's own 5 layers alone would be 51,200 B per token.
+QWEN36_27B_HIDDEN_SIZE = 5120
+DEFAULT_HIDDEN_BYTES_PER_TOKEN = 7 * QWEN36_27B_HIDDEN_SIZE * 2
+DFLASH_ONLY_BYTES_PER_TOKEN = 5 * QWEN36_27B_HIDDEN_SIZE * 2
 # A completion shard stores each output token as an int32 id (4 B) and as text (~4 B of UTF-8 per token for
 # English), zstd-compressed to roughly 5 B together; `--from` measures the real figure from shard sizes.
 DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
@@ -95,7 +98,11 @@ def estimate(p: PlanInputs) -> dict:
     else:
         completion_bytes = output_tokens * p.completion_bytes_per_token + prompt_tokens * PROMPT_ID_BYTES
     hidden_bytes = (output_tokens + prompt_tokens) * p.hidden_bytes_per_token
+    every_trainer = p.hidden_bytes_per_token == DEFAULT_HIDDEN_BYTES_PER_TOKEN
     return {
+        # What serving every trainer from one run costs over DFlash's layers alone (the default layer set only).
+        "every_trainer_extra_bytes": (output_tokens + prompt_tokens) *
+        (DEFAULT_HIDDEN_BYTES_PER_TOKEN - DFLASH_ONLY_BYTES_PER_TOKEN) if every_trainer else None,
         "inputs": asdict(p),
         "output_tokens": output_tokens,
         "prompt_tokens": prompt_tokens,
@@ -136,6 +143,15 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
            "--prompt-tokens-per-prompt to include the prompt")
         + f"), ~${e['hidden_state_usd_per_month']:,.0f}/month at ${p['usd_per_gb_month']}/GB-month "
         "if stored rather than streamed",
+    ]
+    if e.get("every_trainer_extra_bytes"):
+        extra = e["every_trainer_extra_bytes"]
+        lines.append(
+            f"         of which {format_bytes(extra)} (~${extra / 1e9 * p['usd_per_gb_month']:,.0f}/month) are the "
+            f"layers that serve EAGLE-3 too (60 and the last, 63: "
+            f"+{DEFAULT_HIDDEN_BYTES_PER_TOKEN - DFLASH_ONLY_BYTES_PER_TOKEN:,} B per token over DFlash's 5 layers, "
+            f"{DFLASH_ONLY_BYTES_PER_TOKEN:,} B): one stage-2 run exports to every trainer")
+    lines += [
         "         (not included: engine start-up, ~5-15 min per (re)start; the canary; idle head node; stage 2 "
         "compute)",
     ]

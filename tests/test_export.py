@@ -293,6 +293,28 @@ def test_stream_gives_the_files_rows(runs, tmp_path):          # with the files 
         assert rec["loss_mask"].tolist() == files[sid]["loss_mask"].tolist()
 
 
+def test_final_norm_applied_by_the_export_equals_the_model_s(runs, tmp_path):
+    """One run serves every trainer (issue 29): from the run that stored the last layer BEFORE the norm, SpecForge's
+    exports get it after the norm, applied by the export with the target's own norm module, and that is bit for bit
+    what the run that stored it after the norm (the model's own output_hidden_states) holds."""
+    by_norm, _ = runs
+    for fmt, key, kwargs in (("eagle3", "hidden_state", {"draft_vocab_size": 64}),
+                             ("dflash", "hidden_states", {"layers": [0, 3]})):
+        outs = {before: str(tmp_path / f"{fmt}-{before}") for before in (False, True)}
+        for before, out in outs.items():
+            export(by_norm[before], to="specforge", format=fmt, output=out, **kwargs)
+        summary = json.load(open(os.path.join(outs[True], "export.json")))
+        assert "the export applied the target's final norm" in json.dumps(summary["layers"])
+        read = {before: {os.path.relpath(r["file"], out): r["raw"] for r in specforge_read(out, fmt)}
+                for before, out in outs.items()}
+        assert ids_in_order(outs[True]) == ids_in_order(outs[False]) and read[True].keys() == read[False].keys()
+        for name, raw in read[True].items():
+            assert torch.equal(raw[key], read[False][name][key]), (fmt, name)
+        if fmt == "eagle3":  # and the stored (pre-norm) layer really differs: the norm was applied, not skipped
+            pre = ours(by_norm[True])[ids_in_order(outs[True])[0]]["hidden_states"][:, 3]
+            assert not torch.equal(read[True]["rows_0-2000/data_0.ckpt"][key][0], pre)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Conventions refused, conversations
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,8 +325,14 @@ def test_wrong_conventions_are_refused_with_the_fix(tmp_path):
         export(str(tmp_path), to="specforge", format="dflash", output=str(tmp_path / "export"))
     with pytest.raises(ExportError, match="last_layer_before_norm: true"):
         make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, last_before_norm=False)
-    with pytest.raises(ExportError, match="last_layer_before_norm: false"):
+    with pytest.raises(ExportError, match="needs the target model's directory"):  # to apply the final norm
         make_plan("specforge", "eagle3", [0, 1, 2, 3], 4, last_before_norm=True)
+    assert make_plan("specforge", "eagle3", [0, 1, 2, 3], 4, last_before_norm=True, model="m").norm_slot == 3
+    assert make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, last_before_norm=True).norm_slot is None
+    # The trainer's own default layers when the run holds them (job/drafters.py), else the run's but the last.
+    assert make_plan("specforge", "dflash", list(range(64)), 64, True).aux_layer_ids == [1, 16, 31, 46, 61]
+    assert make_plan("speculators", "eagle3", [1, 16, 31, 46, 60, 61, 63], 64, True).aux_layer_ids == [1, 31, 60]
+    assert make_plan("specforge", "dflash", [0, 1, 3], 4, True).aux_layer_ids == [0, 1]
     with pytest.raises(ExportError, match="exactly 3 aux layers"):
         make_plan("specforge", "eagle3", [0, 2, 3], 4, last_before_norm=False)
     with pytest.raises(ExportError, match=r"needs the model's last layer \(3"):

@@ -114,8 +114,9 @@ def write_completions(run: str, rows: list[dict], storage_config=None) -> None:
 
 
 def hs_config(model_dir: str, output: str, **hs) -> RunConfig:
+    # The last layer after the norm, as output_hidden_states returns it: these tests compare with hidden[k + 1].
     hs = {"layer_ids": [0, 1, -1], "max_length": MAX_LENGTH, "batch_tokens": 256, "rows_per_shard": 3,
-          "dtype": "float32", **hs}
+          "dtype": "float32", "last_layer_before_norm": False, **hs}
     return RunConfig(model=model_dir, output=output, hidden_states=HiddenStatesConfig(**hs))
 
 

@@ -24,16 +24,19 @@ def test_reproduces_the_real_run():
     assert e["hours"] == pytest.approx(45.34, abs=0.01)
     assert e["cost_usd"] == pytest.approx(1209.3, abs=1)
     assert e["usd_per_million_output_tokens"] == pytest.approx(3.81 / (2000 * 3600) * 1e6)
-    # Storage: ~5 B per output token of completions; 5 layers × 5120 × bf16 per token of hidden states.
+    # Storage: ~5 B per output token of completions; 7 layers × 5120 × bf16 per token of hidden states (every
+    # trainer's layers), of which 2 layers serve EAGLE-3 only.
     assert e["completion_bytes"] == pytest.approx(2_285_000_000 * 5.0)
-    assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 51_200)
+    assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 71_680)
+    assert e["every_trainer_extra_bytes"] == pytest.approx(2_285_000_000 * 20_480)
 
 
 def test_cli_prints_hours_cost_and_storage(capsys):
     assert cli.main(["plan", *REAL_RUN]) == 0
     out = capsys.readouterr().out
     assert "45.3 hours" in out and "$1,209" in out and "$0.529 per million output tokens" in out
-    assert "completions 11.4 GB" in out and "hidden states 117.0 TB" in out
+    assert "completions 11.4 GB" in out and "hidden states 163.8 TB" in out
+    assert "of which 46.8 TB" in out and "+20,480 B per token over DFlash's 5 layers" in out
 
 
 def test_cli_json_and_prompt_tokens(capsys):

@@ -88,9 +88,9 @@ def _write_speculators_dataset(output: str, files: list[str], fingerprint: str, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str]:
-    """(layer ids, model layers, last layer before norm, model) from the first shard's metadata; every shard must
-    agree (one run, one way of extracting)."""
+def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str, str]:
+    """(layer ids, model layers, last layer before norm, model, dtype) from the first and last shard's metadata;
+    they must agree (one run, one way of extracting)."""
     from job.hidden_states import model_shape
 
     seen = None
@@ -98,15 +98,15 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
         meta = _shard_schema(uri, storage_config).metadata
         layout = (json.loads(meta[schema.META_LAYER_IDS]), meta.get(schema.META_NUM_MODEL_LAYERS),
                   meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
-                  meta[schema.META_MODEL].decode())
+                  meta[schema.META_MODEL].decode(), meta[schema.META_DTYPE].decode())
         if seen is not None and layout != seen:
             raise ExportError(f"export: shards of one run disagree on their layers ({seen} vs {layout}): stage 2 "
                               "was redone with other settings into the same output")
         seen = layout
-    layer_ids, num_layers, norm, model = seen
+    layer_ids, num_layers, norm, model, dtype = seen
     # Shards written before `num_model_layers` was recorded: ask the model's config.
     num_layers = int(num_layers) if num_layers is not None else model_shape(model)[0]
-    return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model
+    return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model, dtype
 
 
 def _shard_schema(uri: str, storage_config) -> pa.Schema:
@@ -147,8 +147,8 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
-    layer_ids, num_layers, before_norm, model = _run_layout(shard_uris, storage_config)
-    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers)
+    layer_ids, num_layers, before_norm, model, dtype = _run_layout(shard_uris, storage_config)
+    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model, dtype=dtype)
     if to == "specforge" and format == "eagle3":
         target_vocab_size = target_vocab_size or _vocab_size(model)
         draft_vocab_size = draft_vocab_size or min(SPECFORGE_DEFAULT_DRAFT_VOCAB, target_vocab_size)

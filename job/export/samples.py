@@ -48,7 +48,28 @@ class Plan:
     """Slots of the run's features that become the trainer's aux / context layers, in the trainer's order."""
     last_slot: int | None
     """Slot of the model's last layer (EAGLE-3's `hidden_state`, speculators' last slot), or None (DFlash)."""
+    norm_slot: int | None = None
+    """Slot the export passes through the target's final norm: the run stored the last layer before it and this
+    trainer reads it after (job/export/norm.py). None: every layer goes out as stored."""
+    model: str | None = None
+    dtype: str | None = None
+    """The target's directory and the run's compute dtype: where the final norm comes from, and in what dtype."""
     notes: dict = field(default_factory=dict)
+    _norm: object = field(default=None, repr=False, compare=False)
+
+    def layer(self, hidden, slot: int):
+        """Slot `slot` of one sample's features [num_tokens, num_layers, hidden], after the final norm if the trainer
+        wants it there."""
+        if slot != self.norm_slot:
+            return hidden[:, slot]
+        if self._norm is None:
+            from job.export.norm import load_final_norm
+
+            self._norm = load_final_norm(self.model, self.dtype)
+        import torch
+
+        with torch.no_grad():
+            return self._norm(hidden[:, slot])
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -64,7 +85,12 @@ class Plan:
             out.update({"trainer_layer_ids": ours, "trainer_config_key": key,
                         "trainer_convention": "SpecForge id = ours (output_hidden_states[id + 1])"})
             if self.last_slot is not None:
-                out["hidden_state"] = f"layer {self.num_model_layers - 1} after the final norm"
+                out["hidden_state"] = f"layer {self.num_model_layers - 1} after the final norm" + (
+                    " (the run stored it before; the export applied the target's final norm)"
+                    if self.norm_slot is not None else "")
+            elif self.norm_slot is not None:
+                out["norm"] = (f"layer {self.num_model_layers - 1} after the final norm (the run stored it before; "
+                               "the export applied the target's final norm)")
         else:
             out.update({"trainer_layer_ids": [k + 1 for k in ours], "trainer_config_key": "--target-layer-ids",
                         "trainer_convention": "vLLM/speculators id = ours + 1 (residual stream after id layers)",
@@ -74,17 +100,25 @@ class Plan:
 
 
 def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: int, last_before_norm: bool,
-              layers: list[int] | None = None) -> Plan:
+              layers: list[int] | None = None, *, model: str | None = None, dtype: str | None = None) -> Plan:
     """Check the run's layers against what the trainer needs and map them to slots. `layers`: the aux / context
-    layers to export, in our (= SpecForge's) convention, in the trainer's order; default: the run's layers but the
-    last. Raises ExportError naming the fix."""
+    layers to export, in our (= SpecForge's) convention, in the trainer's order; default: the trainer's own default
+    layers for this target (job/drafters.py) when the run holds them all, else the run's layers but the last.
+    Raises ExportError naming the fix."""
+    from job.drafters import default_aux_layers
+
     if to not in TARGETS or format not in TARGETS[to]:
         raise ExportError(f"export: --to {to} --format {format} is not a known pair "
                           f"(known: {', '.join(f'{t}: {sorted(f)}' for t, f in TARGETS.items())})")
     last = num_model_layers - 1
     slot = {k: i for i, k in enumerate(run_layer_ids)}
-    wanted = [k + num_model_layers if k < 0 else k for k in layers] if layers else \
-        [k for k in run_layer_ids if k != last]
+    preferred = default_aux_layers(to, format, num_model_layers)
+    if layers:
+        wanted = [k + num_model_layers if k < 0 else k for k in layers]
+    elif all(k in slot for k in preferred):
+        wanted = preferred
+    else:  # a run made for one trainer with layers of its own choosing
+        wanted = [k for k in run_layer_ids if k != last]
     missing = [k for k in wanted if k not in slot]
     if missing:
         raise ExportError(f"export: layer(s) {missing} are not in this run (it holds {run_layer_ids}); rerun stage 2 "
@@ -93,7 +127,7 @@ def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: 
         raise ExportError(f"export: no aux/context layer to export (the run holds {run_layer_ids})")
     where = f"this run stores layer {last} (the model's last) " + ("before" if last_before_norm else "after") + \
         " the final norm"
-    last_slot = None
+    last_slot = norm_slot = None
     if format == "eagle3" or to == "speculators":
         if last in wanted:
             raise ExportError(f"export: layer {last} is the model's last layer; {to} {format} takes it separately, "
@@ -101,22 +135,24 @@ def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: 
         if last not in slot:
             raise ExportError(f"export: {to} {format} needs the model's last layer ({last}, or -1) in "
                               f"hidden_states.layer_ids; this run holds {run_layer_ids}")
-        needs_before = to == "speculators"
-        if last_before_norm != needs_before:
+        if to == "speculators" and not last_before_norm:
             raise ExportError(
-                f"export: {where}, but {to} {format} needs it " + ("before" if needs_before else "after") +
-                " the norm (" + ("speculators' last slot is vLLM's pre-norm residual stream"
-                                 if needs_before else "SpecForge feeds `hidden_state` to the target's LM head") +
-                "). Rerun stage 2 into a new output with hidden_states.last_layer_before_norm: " +
-                ("true" if needs_before else "false"))
+                f"export: {where}, but {to} {format} needs it before the norm (speculators' last slot is vLLM's "
+                "pre-norm residual stream), and a norm cannot be undone. Rerun stage 2 into a new output with "
+                "hidden_states.last_layer_before_norm: true (the default), which serves both trainers")
         last_slot = slot[last]
+        if to == "specforge" and last_before_norm:
+            norm_slot = last_slot  # SpecForge feeds `hidden_state` to the target's LM head: after the norm
     elif last in wanted and last_before_norm:
-        raise ExportError(f"export: {where}; SpecForge DFlash reads output_hidden_states[{last + 1}], after the norm")
+        norm_slot = slot[last]  # SpecForge DFlash reads output_hidden_states[last + 1]: after the norm
     if format == "eagle3" and len(wanted) != 3:
         raise ExportError(f"export: EAGLE-3 takes exactly 3 aux layers (low, mid, high); got {wanted}: pass "
                           "--layers with three of the run's layers")
+    if norm_slot is not None and model is None:
+        raise ExportError("export: applying the target's final norm needs the target model's directory")
     return Plan(to=to, format=format, run_layer_ids=list(run_layer_ids), num_model_layers=num_model_layers,
-                last_before_norm=last_before_norm, aux_slots=[slot[k] for k in wanted], last_slot=last_slot)
+                last_before_norm=last_before_norm, aux_slots=[slot[k] for k in wanted], last_slot=last_slot,
+                norm_slot=norm_slot, model=model, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,15 +181,14 @@ def trainer_sample(input_ids, loss_mask, hidden, plan: Plan) -> dict:
     Every tensor is its own compact copy: `torch.save` of a view would write the whole underlying buffer."""
     import torch
 
-    n = hidden.shape[0]
     ids = input_ids.to(torch.int64).clone()
     mask = loss_mask.to(torch.int64).clone()
-    aux = hidden[:, plan.aux_slots].reshape(n, -1)  # index → a new contiguous tensor, layers side by side
+    aux = torch.cat([plan.layer(hidden, s) for s in plan.aux_slots], -1)  # a new tensor, layers side by side
     if plan.to == "specforge" and plan.format == "dflash":
         return {"input_ids": ids, "loss_mask": mask, "hidden_states": aux[None]}
     if plan.to == "specforge":
         return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux[None],
-                "hidden_state": hidden[:, plan.last_slot].clone()[None]}
+                "hidden_state": plan.layer(hidden, plan.last_slot).clone()[None]}
     return {"token_ids": ids, "hidden_states": hidden[:, plan.aux_slots + [plan.last_slot]].contiguous()}
 
 

@@ -60,7 +60,7 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None):
     num_layers, _ = model_shape(config.model)
     hs = config.hidden_states
     plan = make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers, hs.last_layer_before_norm,
-                     layers)
+                     layers, model=config.model, dtype=hs.dtype)
     return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.dtype},
                                        batch_size=None, concurrency=1)
 

@@ -23,6 +23,8 @@ import numpy as np
 from job import layout, progress, redaction, runs, scan, schema, stage, storage
 from job.formatting import format_bytes
 from job.config import ConfigError, RunConfig, resolve_layer_ids
+from job.drafters import EVERY_TRAINER
+from job.drafters import describe as describe_layers
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
 from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
 from job.hidden_states.shards import iter_records
@@ -251,6 +253,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
               f"{format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
               f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
               f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
+        if hs.layer_ids == EVERY_TRAINER:
+            print(f"hidden states: every trainer's layers: {describe_layers(num_layers)}", flush=True)
         runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
                                             "status": "running" if pending else "complete"}, held.fence)
         extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
