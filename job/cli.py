@@ -5,6 +5,7 @@ line, exit 2.
     python -m job hidden-states --config configs/demo.yaml --output RUN
     python -m job report RUN
     python -m job export RUN --to {specforge,speculators} --format {dflash,eagle3,conversations} --output DIR
+    python -m job train-check EXPORT_DIR... [--steps 5]      # needs `make trainers`
     python -m job status RUN
     python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
@@ -19,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from job.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
 
@@ -89,11 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "its training conversations JSONL")
     e.add_argument("--output", required=True, help="export directory (local or s3://)")
     e.add_argument("--layers", type=int, nargs="+",
-                   help="aux/context layers in our (= SpecForge's) ids, in the trainer's order (default: the run's "
-                        "layers but the model's last)")
+                   help="aux/context layers in our (= SpecForge's) ids, in the trainer's order (default: the "
+                        "trainer's own default layers for this target, job/drafters.py)")
+    e.add_argument("--loss-turns", choices=("last_turn", "every_assistant_turn"),
+                   help="multi-turn samples: the loss on the generated turn only, or on every assistant turn of the "
+                        "history too (default: what the trainer does itself: specforge every_assistant_turn, "
+                        "speculators last_turn)")
+    e.add_argument("--draft-config", metavar="JSON",
+                   help="your draft-model config: refused if its layer ids disagree with the export's (default: "
+                        "a ready one is written into export.json)")
     e.add_argument("--draft-vocab-size", type=int, help="specforge eagle3: d2t/t2d size (default 32000, at most "
                                                          "the target's vocabulary)")
     e.add_argument("--target-vocab-size", type=int, help="specforge eagle3: default from the model's config")
+
+    t = sub.add_parser("train-check", help="prove exports train: N steps of the trainer's own code on CPU, in "
+                                            ".venv-trainers (`make trainers`; job/trainers/)")
+    t.add_argument("exports", nargs="+", help="export directories (local)")
+    t.add_argument("--steps", type=int, default=5, help="optimizer steps on one repeated batch (default 5)")
+    t.add_argument("--python", default=str(TRAINERS_PYTHON),
+                   help="the trainers' Python (default: .venv-trainers/bin/python of this checkout)")
 
     s = sub.add_parser("status", help="progress of a run from its run directory alone (job/status.py)",
                        parents=run_dir, description=status.__doc__.split("\n\n")[0])
@@ -154,6 +171,30 @@ def _config(args) -> RunConfig:
     return load_config(args.config, **overrides)
 
 
+TRAINERS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-trainers" / "bin" / "python"
+
+
+def _read_json_file(path: str, flag: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+
+
+def _train_check(args) -> int:
+    """The check runs in the trainers' environment (their pins do not fit the job's): a child process."""
+    import subprocess
+
+    if not os.path.exists(args.python):
+        raise ConfigError(f"train-check: {args.python} does not exist: run `make trainers` first (it builds "
+                          ".venv-trainers with SpecForge and speculators, ~1 min)")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([args.python, "-m", "job.trainers", *args.exports, "--steps", str(args.steps)],
+                          env=env).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     from job import redaction
 
@@ -212,14 +253,17 @@ def _dispatch(args) -> int:
     if args.command == "export":
         from job.export import export
 
+        draft_config = _read_json_file(args.draft_config, "--draft-config") if args.draft_config else None
         summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
                          draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size,
-                         storage_config=_storage(args))
+                         loss_turns=args.loss_turns, draft_config=draft_config, storage_config=_storage(args))
         reasons = "; ".join(f"{n} {r}" for r, n in summary["dropped_by_reason"].items())
         print(f"export: {summary['num_samples']:,} samples → {args.output} ({args.to} {args.format}); "
               f"dropped {summary['num_dropped']:,}" + (f": {reasons}" if reasons else "") +
               f"; details in {args.output.rstrip('/')}/export.json")
         return 0
+    if args.command == "train-check":
+        return _train_check(args)
     if args.command == "report":
         from job.report import build_report, format_report
 

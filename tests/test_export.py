@@ -330,9 +330,9 @@ def test_wrong_conventions_are_refused_with_the_fix(tmp_path):
     assert make_plan("specforge", "eagle3", [0, 1, 2, 3], 4, last_before_norm=True, model="m").norm_slot == 3
     assert make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, last_before_norm=True).norm_slot is None
     # The trainer's own default layers when the run holds them (job/drafters.py), else the run's but the last.
-    assert make_plan("specforge", "dflash", list(range(64)), 64, True).aux_layer_ids == [1, 16, 31, 46, 61]
+    assert make_plan("specforge", "dflash", list(range(64)), 64, True, model="m").aux_layer_ids == [1, 16, 31, 46, 61]
     assert make_plan("speculators", "eagle3", [1, 16, 31, 46, 60, 61, 63], 64, True).aux_layer_ids == [1, 31, 60]
-    assert make_plan("specforge", "dflash", [0, 1, 3], 4, True).aux_layer_ids == [0, 1]
+    assert make_plan("specforge", "dflash", [0, 1, 3], 4, True, model="m").aux_layer_ids == [0, 1]
     with pytest.raises(ExportError, match="exactly 3 aux layers"):
         make_plan("specforge", "eagle3", [0, 2, 3], 4, last_before_norm=False)
     with pytest.raises(ExportError, match=r"needs the model's last layer \(3"):
@@ -401,3 +401,33 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
     for sid, reason in want.items():
         assert dropped[sid].startswith(reason), (sid, dropped[sid])
     assert summary["num_input_rows"] == len(cases) == summary["num_samples"] + summary["num_dropped"]
+
+
+def test_loss_on_every_assistant_turn_covers_the_history_s_answers(tiny_model_dir):
+    """--loss-turns every_assistant_turn (SpecForge's own rule) widens stage 2's mask to the history's assistant
+    turns: exactly the tokens after each "<|im_start|>assistant\\n" up to and including its "<|im_end|>", found in a
+    prompt rendered by the target's own chat template; the system and user turns and the open generation prompt stay
+    0, the generated turn stays 1."""
+    from transformers import AutoTokenizer
+
+    from job.export.samples import EVERY_ASSISTANT_TURN, chatml_markers, with_history_turns
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "two plus two"},
+               {"role": "assistant", "content": "four"}, {"role": "user", "content": "and three more"},
+               {"role": "assistant", "content": "seven"}, {"role": "user", "content": "thanks"}]
+    prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    output = tok.encode("ok<|im_end|>", add_special_tokens=False)
+    input_ids = torch.tensor(ids + output)
+    stage2 = torch.tensor([0] * len(ids) + [1] * len(output), dtype=torch.uint8)
+    mask = with_history_turns(input_ids, stage2, *chatml_markers(tiny_model_dir))
+    assert mask.dtype == stage2.dtype and mask[len(ids):].tolist() == [1] * len(output)
+    supervised = tok.decode([t for t, m in zip(ids, mask.tolist()) if m])
+    assert supervised == "four<|im_end|>seven<|im_end|>", supervised
+    # The default per trainer, and the rule refused where it cannot hold.
+    assert make_plan("specforge", "dflash", [0, 1, 2, 3], 4, True, model=tiny_model_dir).loss_turns == \
+        EVERY_ASSISTANT_TURN
+    assert make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, True).loss_turns == "last_turn"
+    with pytest.raises(ExportError, match="needs the target's tokenizer"):
+        make_plan("specforge", "dflash", [0, 1, 2, 3], 4, False)

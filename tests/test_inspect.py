@@ -365,16 +365,16 @@ def test_hidden_state_summary(run_dir, rows, table):
     from job.hidden_states import load
 
     layout = ji.hidden_state_layout(run_dir)
-    assert layout["layer_ids"] == [0, 1, 3] and layout["dtype"] == "bfloat16"
+    assert layout["layer_ids"] == [0, 1, 2, 3] and layout["dtype"] == "bfloat16"  # every trainer's (demo.yaml)
     assert layout["num_shards"] == len(completion_shard_files(run_dir)), "one part per completion shard here"
-    assert layout["bytes_per_token"] == 3 * layout["hidden_size"] * 2 + 5
+    assert layout["bytes_per_token"] == 4 * layout["hidden_size"] * 2 + 5
 
     summary = ji.summarize_hidden_states(run_dir, max_samples=64, num_traces=2)
     ok = [r for r in table.to_pylist() if r["error"] is None]
     assert summary["num_samples"] == len(ok), "keep_flagged: every non-error row has hidden states"
     assert summary["num_tokens"] == sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
-    assert summary["problems"] == [] and summary["dtype"] == "bfloat16" and list(summary["layers"]) == [0, 1, 3]
-    assert all(s["shape"] == (s["num_tokens"], 3, layout["hidden_size"]) for s in summary["samples"])
+    assert summary["problems"] == [] and summary["dtype"] == "bfloat16" and list(summary["layers"]) == [0, 1, 2, 3]
+    assert all(s["shape"] == (s["num_tokens"], 4, layout["hidden_size"]) for s in summary["samples"])
     assert all(v["zero_tokens"] == 0 and v["nonfinite_tokens"] == 0 for v in summary["layers"].values())
 
     # The per-sample RMS of layer id k is computed on that layer's slice (position j of layer_ids).

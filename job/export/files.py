@@ -12,6 +12,8 @@ import pyarrow as pa
 
 from job import layout, scan, schema, storage
 from job.export.conversations import export_conversations
+from job.export.manifest import draft_config as checked_draft_config
+from job.export.manifest import manifest_fields
 from job.export.samples import (FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB, TRAINER_FILE,
                                 ExportError, count_tokens, drop_reason, finish_export, make_plan,
                                 specforge_vocab_mapping, trainer_sample)
@@ -133,11 +135,13 @@ def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
 
 
 def export(run: str, *, to: str, format: str, output: str, layers: list[int] | None = None,
-           draft_vocab_size: int | None = None, target_vocab_size: int | None = None,
-           storage_config: storage.StorageConfig | None = None) -> dict:
-    """Write a run in a trainer's format under `output` (local or s3://); returns the summary also written to
-    `output/export.json`. File names are deterministic and each is written atomically: a rerun rewrites the same
-    files, never a second copy."""
+           draft_vocab_size: int | None = None, target_vocab_size: int | None = None, loss_turns: str | None = None,
+           draft_config: dict | None = None, storage_config: storage.StorageConfig | None = None) -> dict:
+    """Write a run in a trainer's format under `output` (local or s3://); returns the manifest also written to
+    `output/export.json` (job/export/manifest.py: the target, layer ids in both conventions, norm, dtype, counts and
+    a ready draft-model config). File names are deterministic and each is written atomically: a rerun rewrites the
+    same files, never a second copy. `draft_config`: the user's own draft-model config, refused (before anything is
+    written) when its layer ids disagree with the export's; default: one made for this export."""
     inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
     if output.rstrip("/") == run.rstrip("/") or inside:
         raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
@@ -148,13 +152,17 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
     layer_ids, num_layers, before_norm, model, dtype = _run_layout(shard_uris, storage_config)
-    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model, dtype=dtype)
+    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model, dtype=dtype,
+                     loss_turns=loss_turns)
     if to == "specforge" and format == "eagle3":
         target_vocab_size = target_vocab_size or _vocab_size(model)
         draft_vocab_size = draft_vocab_size or min(SPECFORGE_DEFAULT_DRAFT_VOCAB, target_vocab_size)
         if draft_vocab_size > target_vocab_size:
             raise ExportError(f"export: --draft-vocab-size {draft_vocab_size} exceeds the target's vocabulary "
                               f"({target_vocab_size})")
+        plan.notes.update(draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size)
+    fields = manifest_fields(plan, dtype)
+    fields["draft_config"] = checked_draft_config(plan, fields, draft_config)  # before anything is written
 
     from job.hidden_states.shards import BackgroundWriter
 
@@ -165,20 +173,22 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     dropped: list[dict] = []
     arrow_files: list[str] = []
     groups = [shard_uris[i:i + SHARDS_PER_ARROW_FILE] for i in range(0, len(shard_uris), SHARDS_PER_ARROW_FILE)]
-    num_tokens = 0
+    num_tokens = num_loss_tokens = 0
     try:
         for g, group in enumerate(groups):
             rows = []
             for rec in _records(group, storage_config):
-                reason = drop_reason(rec[schema.LOSS_MASK], plan)
+                mask = plan.loss_mask(rec[schema.INPUT_IDS], rec[schema.LOSS_MASK])
+                reason = drop_reason(mask, plan)
                 if reason:
                     dropped.append({"id": rec[schema.ID], "reason": reason})
                     continue
                 index = len(kept)
                 kept.append(rec[schema.ID])
-                sample = trainer_sample(rec[schema.INPUT_IDS], rec[schema.LOSS_MASK], rec[schema.HIDDEN_STATES], plan)
-                count_tokens(counter, rec[schema.INPUT_IDS], rec[schema.LOSS_MASK])
+                sample = trainer_sample(rec[schema.INPUT_IDS], mask, rec[schema.HIDDEN_STATES], plan)
+                count_tokens(counter, rec[schema.INPUT_IDS], mask)
                 num_tokens += len(rec[schema.INPUT_IDS])
+                num_loss_tokens += int(mask.sum())
                 if to == "specforge":
                     name = specforge_file_name(index)
                     data = _torch_bytes(sample)
@@ -189,7 +199,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
                 written.add(name)
                 writer.submit(storage.write_bytes_atomic, storage.join(output, name), data, storage_config)
                 if to == "speculators":
-                    rows.append((rec[schema.INPUT_IDS].numpy(), rec[schema.LOSS_MASK].numpy().astype(np.int64),
+                    rows.append((rec[schema.INPUT_IDS].numpy(), mask.numpy().astype(np.int64),
                                  len(rec[schema.INPUT_IDS])))
             if to == "speculators":
                 name = f"data-{g:05d}-of-{len(groups):05d}.arrow"
@@ -209,13 +219,12 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         d2t, t2d = specforge_vocab_mapping(counter, draft_vocab_size, target_vocab_size)
         storage.write_bytes_atomic(storage.join(output, "vocab_mapping", "vocab_mapping.pt"),
                                    _torch_bytes({"d2t": d2t, "t2d": t2d}), storage_config)
-        plan.notes.update(draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size)
     if to == "speculators":
         storage.write_bytes_atomic(storage.join(output, "token_freq.pt"), _torch_bytes(dict(counter)),
                                    storage_config)
         _write_speculators_dataset(output, arrow_files, _fingerprint(kept), storage_config)
-    return finish_export(run, output, plan.to, plan.format, kept, dropped, storage_config,
-                   {"num_tokens": num_tokens, "layers": plan.conventions(), "model": model, **plan.notes})
+    fields.update(num_tokens=num_tokens, num_loss_tokens=num_loss_tokens)
+    return finish_export(run, output, plan.to, plan.format, kept, dropped, storage_config, fields)
 
 
 def _fingerprint(ids: list[str]) -> str:

@@ -18,6 +18,11 @@ from job.config import ConfigError
 
 
 TARGETS = {"specforge": ("dflash", "eagle3", "conversations"), "speculators": ("dflash", "eagle3")}
+LAST_TURN, EVERY_ASSISTANT_TURN = "last_turn", "every_assistant_turn"
+# Where each trainer puts the loss of a multi-turn sample when it builds its own data: SpecForge on every assistant
+# span of the conversation (data/preprocessing.py, `_apply_loss_mask_from_chat_template`); speculators makes one row
+# per assistant turn with the loss on that turn alone (data_generation/preprocessing.py, `_render_boundary_rows`).
+DEFAULT_LOSS_TURNS = {"specforge": EVERY_ASSISTANT_TURN, "speculators": LAST_TURN}
 FILE_GROUP_SIZE = 2000  # SpecForge's --file-group-size default: data_{i}.ckpt in rows_{g}-{g+2000}/
 SHARDS_PER_ARROW_FILE = 256  # speculators' dataset: one Arrow file per 256 of our shards (~8K samples, ~100 MB)
 SPECFORGE_DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's EAGLE-3 draft default (TargetDerivedDraftDefaults)
@@ -54,8 +59,20 @@ class Plan:
     model: str | None = None
     dtype: str | None = None
     """The target's directory and the run's compute dtype: where the final norm comes from, and in what dtype."""
+    loss_turns: str = LAST_TURN
+    """last_turn: the loss on the turn stage 1 generated (stage 2's mask); every_assistant_turn: also on the
+    assistant turns of the history in the prompt (the data's own answers), as SpecForge does."""
     notes: dict = field(default_factory=dict)
     _norm: object = field(default=None, repr=False, compare=False)
+    _markers: tuple | None = field(default=None, repr=False, compare=False)
+
+    def loss_mask(self, input_ids, loss_mask):
+        """Stage 2's mask (the generated turn), widened to the history's assistant turns under every_assistant_turn."""
+        if self.loss_turns == LAST_TURN:
+            return loss_mask
+        if self._markers is None:
+            self._markers = chatml_markers(self.model)
+        return with_history_turns(input_ids, loss_mask, *self._markers)
 
     def layer(self, hidden, slot: int):
         """Slot `slot` of one sample's features [num_tokens, num_layers, hidden], after the final norm if the trainer
@@ -100,7 +117,8 @@ class Plan:
 
 
 def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: int, last_before_norm: bool,
-              layers: list[int] | None = None, *, model: str | None = None, dtype: str | None = None) -> Plan:
+              layers: list[int] | None = None, *, model: str | None = None, dtype: str | None = None,
+              loss_turns: str | None = None) -> Plan:
     """Check the run's layers against what the trainer needs and map them to slots. `layers`: the aux / context
     layers to export, in our (= SpecForge's) convention, in the trainer's order; default: the trainer's own default
     layers for this target (job/drafters.py) when the run holds them all, else the run's layers but the last.
@@ -150,9 +168,55 @@ def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: 
                           "--layers with three of the run's layers")
     if norm_slot is not None and model is None:
         raise ExportError("export: applying the target's final norm needs the target model's directory")
+    loss_turns = loss_turns or DEFAULT_LOSS_TURNS[to]
+    if loss_turns not in (LAST_TURN, EVERY_ASSISTANT_TURN):
+        raise ExportError(f"export: --loss-turns must be {LAST_TURN} or {EVERY_ASSISTANT_TURN}, got {loss_turns!r}")
+    if loss_turns == EVERY_ASSISTANT_TURN and model is None:
+        raise ExportError("export: --loss-turns every_assistant_turn needs the target's tokenizer (its directory)")
     return Plan(to=to, format=format, run_layer_ids=list(run_layer_ids), num_model_layers=num_model_layers,
                 last_before_norm=last_before_norm, aux_slots=[slot[k] for k in wanted], last_slot=last_slot,
-                norm_slot=norm_slot, model=model, dtype=dtype)
+                norm_slot=norm_slot, model=model, dtype=dtype, loss_turns=loss_turns)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-turn samples: the loss on the history's assistant turns too
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def chatml_markers(model_dir: str) -> tuple[list[int], int]:
+    """(token ids of the assistant header "<|im_start|>assistant\n", id of "<|im_end|>") of the target's tokenizer:
+    the markers SpecForge's Qwen templates find assistant spans by (`assistant_header`, `end_of_turn_token`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    if start in (None, tokenizer.unk_token_id) or end in (None, tokenizer.unk_token_id):
+        raise ExportError(f"export: --loss-turns every_assistant_turn finds assistant turns by ChatML's "
+                          f"<|im_start|>/<|im_end|> tokens, which the tokenizer of {model_dir} lacks: use last_turn")
+    return tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False), end
+
+
+def with_history_turns(input_ids, loss_mask, header: list[int], end: int):
+    """`loss_mask` with 1 on every assistant turn of the prompt that the prompt closes: the tokens after each
+    assistant header up to and including its <|im_end|> (SpecForge's span: its regex takes the text after the
+    header, and its offset test keeps the end-of-turn token). The generation prompt's open header at the end of the
+    prompt is left as stage 2 masked it."""
+    import torch
+
+    ids = input_ids.tolist()
+    mask = loss_mask.clone()
+    prompt_end = next((i for i, m in enumerate(loss_mask.tolist()) if m), len(ids))
+    n, i = len(header), 0
+    while i + n <= prompt_end:
+        if ids[i:i + n] != header:
+            i += 1
+            continue
+        close = next((j for j in range(i + n, prompt_end) if ids[j] == end), None)
+        if close is None:
+            break  # the generation prompt: the turn stage 1 generated
+        mask[i + n:close + 1] = 1
+        i = close + 1
+    return mask.to(loss_mask.dtype) if isinstance(mask, torch.Tensor) else mask
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class TrainerLayout:
         out: dict[str, list] = {}
         for i, sid in enumerate(batch[schema.ID]):
             ids = torch.from_numpy(np.asarray(batch[schema.INPUT_IDS][i]))
-            mask = torch.from_numpy(np.asarray(batch[schema.LOSS_MASK][i]))
+            mask = self.plan.loss_mask(ids, torch.from_numpy(np.asarray(batch[schema.LOSS_MASK][i])))
             if drop_reason(mask, self.plan):
                 continue
             hidden = torch.from_numpy(np.ascontiguousarray(batch[schema.HIDDEN_STATES][i]))
@@ -51,7 +51,7 @@ class TrainerLayout:
         return {k: np.array(v, dtype=object) if k == schema.ID else _ragged(v) for k, v in out.items()}
 
 
-def stream(config, *, to: str, format: str, layers: list[int] | None = None):
+def stream(config, *, to: str, format: str, layers: list[int] | None = None, loss_turns: str | None = None):
     """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
     online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`)."""
     from job.config import resolve_layer_ids
@@ -60,7 +60,7 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None):
     num_layers, _ = model_shape(config.model)
     hs = config.hidden_states
     plan = make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers, hs.last_layer_before_norm,
-                     layers, model=config.model, dtype=hs.dtype)
+                     layers, model=config.model, dtype=hs.dtype, loss_turns=loss_turns)
     return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.dtype},
                                        batch_size=None, concurrency=1)
 

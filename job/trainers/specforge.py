@@ -1,0 +1,271 @@
+"""Train a draft on a SpecForge 0.2.0 export with SpecForge's own training code, on CPU.
+
+    PYTHONPATH=. /tmp/tv/bin/python -c 'from job.trainers import specforge ...'
+
+`draft_config(manifest)` writes the draft-model JSON a user hands to SpecForge (`model.draft_model_config`);
+`train(...)` assembles the run exactly as `specforge train` does for an offline run (typed `Config` ->
+`build_application_run` -> draft model, optimizer, DDP backend, the trainer's own feature loader), takes one
+batch from that loader and runs `steps` optimizer steps of `TrainerCore.train_step` on it: the strategy's
+forward and loss, the backend's backward, the BF16 optimizer's clip and AdamW step.
+
+This module must import nothing from the rest of `job`: it runs in the trainer's virtualenv.
+"""
+
+import json
+import os
+
+# SpecForge's own example drafts (configs/qwen3-*-dflash.json, qwen3.5-27b-dflash.json) have 5 layers and
+# blocks of 16 tokens; every EAGLE-3 example (qwen3-4b-eagle3.json, qwen3.5-4b-eagle3.json) has 1 layer and
+# a 32,000-token draft vocabulary.
+DFLASH_LAYERS = 5
+DFLASH_BLOCK_SIZE = 16
+EAGLE3_DRAFT_VOCAB = 32000
+
+# Architecture fields copied from the target's (text) config, as SpecForge's own generator does
+# (specforge.training.model_loading._TARGET_ARCHITECTURE_FIELDS, less the rope and sliding-window ones set below).
+_TARGET_FIELDS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
+    "attention_dropout", "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+# Samples in the one repeated batch: enough that a sample with no loss token (EAGLE-3 drops the last
+# position of every loss mask) cannot make the whole batch's loss 0.
+BATCH_SIZE = 2
+
+
+def _text_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    # Multimodal / hybrid targets (Qwen3_5ForConditionalGeneration) nest the language model's config.
+    return config.get("text_config") or config
+
+
+def draft_config(manifest: dict) -> dict:
+    """A ready SpecForge draft-model config (the JSON a user passes to SpecForge) for this export. PURE: imports
+    only stdlib (json, os); reads the target's config.json from manifest["model"] (a local dir). Must include
+    the layer ids (DFlash: dflash_config.target_layer_ids; EAGLE-3: eagle_config.eagle_aux_hidden_state_layer_ids),
+    target vocab size, draft vocab size (EAGLE-3), hidden sizes, and be small (a tiny draft: 1 layer) when
+    manifest['tiny'] is true, otherwise sized as SpecForge's own example configs for that target would be."""
+    target = _text_config(manifest["model"])
+    layer_ids = [int(i) for i in manifest["layers"]["trainer_layer_ids"]]
+    config = {name: target[name] for name in _TARGET_FIELDS if target.get(name) is not None}
+    # The draft's hidden size must be the target's: both drafts embed tokens with the target's embedding and
+    # DFlash projects through the target's LM head. Only the depth shrinks for a tiny draft.
+    config["vocab_size"] = int(manifest.get("target_vocab_size") or target["vocab_size"])
+    config.setdefault("head_dim", target["hidden_size"] // target["num_attention_heads"])
+    # The draft has its own plain RoPE: the examples for Qwen3.5 targets keep rope_theta and drop the target's
+    # multimodal/partial rotary parameters (rope_scaling null).
+    rope = target.get("rope_parameters") or {}
+    config["rope_theta"] = rope.get("rope_theta", target.get("rope_theta", 10000.0))
+    config["rope_scaling"] = None
+    config.update(tie_word_embeddings=False, use_cache=True, torch_dtype="bfloat16")
+    if config.get("pad_token_id") is None:
+        config["pad_token_id"] = 0  # as SpecForge's generator does
+
+    if manifest["format"] == "dflash":
+        num_layers = 1 if manifest.get("tiny") else DFLASH_LAYERS
+        config.update(
+            architectures=["DFlashDraftModel"],
+            auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+            model_type="qwen3",
+            num_hidden_layers=num_layers,
+            num_target_layers=int(target["num_hidden_layers"]),
+            block_size=DFLASH_BLOCK_SIZE,
+            layer_types=["full_attention"] * num_layers,
+            max_window_layers=num_layers,
+            sliding_window=None,
+            use_sliding_window=False,
+            # mask_token_id null: SpecForge resolves it from the target's tokenizer (an unused embedding slot).
+            dflash_config={"mask_token_id": None, "target_layer_ids": layer_ids},
+        )
+    elif manifest["format"] == "eagle3":
+        draft_vocab = int(manifest.get("draft_vocab_size") or min(EAGLE3_DRAFT_VOCAB, config["vocab_size"]))
+        if draft_vocab > config["vocab_size"]:
+            raise ValueError(f"draft vocabulary {draft_vocab} exceeds the target's {config['vocab_size']}")
+        config.update(
+            architectures=["LlamaForCausalLMEagle3"],
+            model_type="llama",
+            num_hidden_layers=1,  # SpecForge's EAGLE-3 fixes the draft at one layer, tiny or not
+            draft_vocab_size=draft_vocab,
+            target_hidden_size=int(target["hidden_size"]),
+            eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
+        )
+    else:
+        raise ValueError(f"unknown SpecForge format {manifest['format']!r}: expected 'dflash' or 'eagle3'")
+    return config
+
+
+def _target_copy(model_dir: str, workdir: str) -> tuple[str, str, str]:
+    """(target dir SpecForge can read, embedding key, LM-head key).
+
+    Two gaps in SpecForge 0.2.0's EAGLE-3 TargetHead, bridged with a copy of the dir (symlinks) when needed:
+    its load_weights reads only `*.index.json` ("No index.json file found in ..."), so a single-file checkpoint
+    gets a generated index; and it reads `config.hidden_size` from the top level ("'Qwen3_5Config' object has
+    no attribute 'hidden_size'"), so a target with a nested text_config gets a config.json with hidden_size and
+    vocab_size copied up. A tied-embedding target has no `lm_head.weight`: its LM head is the embedding.
+    """
+    from safetensors import safe_open
+
+    names = sorted(os.listdir(model_dir))
+    weight_map = {}
+    for name in names:
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                weight_map.update({key: name for key in f.keys()})
+    embeddings = [k for k in weight_map if k.endswith("embed_tokens.weight") and "visual" not in k and "mtp" not in k]
+    embedding_key = min(embeddings, key=len)  # model.embed_tokens / model.language_model.embed_tokens
+    lm_head_key = "lm_head.weight" if "lm_head.weight" in weight_map else embedding_key
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    has_index = any(name.endswith(".index.json") for name in names)
+    nested = "hidden_size" not in config
+    if has_index and not nested:
+        return model_dir, embedding_key, lm_head_key
+    copy = os.path.join(workdir, "target")
+    os.makedirs(copy, exist_ok=True)
+    for name in names:
+        link = os.path.join(copy, name)
+        if name != "config.json" and not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(model_dir, name)), link)
+    if nested:
+        text = _text_config(model_dir)
+        config.update(hidden_size=text["hidden_size"], vocab_size=text["vocab_size"])
+    with open(os.path.join(copy, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if not has_index:
+        with open(os.path.join(copy, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return copy, embedding_key, lm_head_key
+
+
+def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list[dict]:
+    """Run `steps` optimizer steps of SpecForge's own training code on ONE repeated batch from export_dir.
+    Returns one dict per step: {"step": i, "loss": float, "grad_norm": float, "accuracy": float}.
+    Imports specforge lazily (inside the function). workdir: scratch dir for e.g. a copy of the target dir."""
+    # Both before torch/specforge are imported, since both are read at import time:
+    # EAGLE-3's loss (specforge.core.loss.LogSoftmaxLoss) is a Triton kernel; compiled, it needs a GPU.
+    # The interpreter runs it on CPU.
+    os.environ["TRITON_INTERPRET"] = "1"
+    # No error avoided: the first EAGLE-3 step spends ~150 s in torch.compile (specforge.algorithms.eagle3.model
+    # has @torch.compile helpers); eager gives the same numbers.
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    # Also when torch was imported before this function ran, and its dynamo config read the env already.
+    torch._dynamo.config.disable = True
+
+    from specforge.application import build_application_run
+    from specforge.config import Config
+    from specforge.distributed import destroy_distributed, init_distributed
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+    from specforge.training.strategies.base import StepContext
+
+    fmt = manifest["format"]
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    target_dir, embedding_key, lm_head_key = _target_copy(manifest["model"], workdir)
+    config_path = os.path.join(workdir, "draft_config.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    mapping = os.path.join(export_dir, "vocab_mapping", "vocab_mapping.pt")
+    use_mapping = (
+        fmt == "eagle3" and config.get("draft_vocab_size", 0) < config["vocab_size"] and os.path.exists(mapping)
+    )
+    num_samples = len(list_feature_files(export_dir))
+    if num_samples == 0:
+        raise ValueError(f"{export_dir} holds no SpecForge feature file (*.ckpt)")
+
+    cfg = Config.model_validate(
+        {
+            "model": {
+                "target_model_path": target_dir,
+                "draft_model_config": config_path,
+                "embedding_key": embedding_key,
+                "lm_head_key": lm_head_key,
+                # The export's d2t/t2d map, for a draft vocabulary smaller than the target's. Without the file
+                # SpecForge derives the same map from the features (loss-masked input ids, most frequent first).
+                "vocab_mapping_path": mapping if use_mapping else "",
+            },
+            "data": {
+                "hidden_states_path": os.path.abspath(export_dir),
+                "cache_dir": os.path.join(workdir, "cache"),
+                # Workers fork with a copy of the store; in-process loading keeps a 2-core machine free.
+                "dataloader_num_workers": 0,
+            },
+            "training": {
+                "strategy": fmt,
+                # FSDP: "FSDP needs a non-CPU accelerator device". NO_SHARD makes SpecForge's backend wrap the
+                # model in DDP over gloo (specforge.distributed picks gloo for the cpu device) instead.
+                "fsdp_sharding": "NO_SHARD",
+                # The default flex_attention: "FlexAttention does not support backward on CPU".
+                "attention_backend": "sdpa",
+                "batch_size": min(BATCH_SIZE, num_samples),
+                "max_steps": steps,
+                "learning_rate": float(os.environ.get("SFLR", 1e-4)),
+                "log_interval": 1,
+                "seed": 0,
+            },
+            "run_id": f"xcheck-{fmt}",
+            "output_dir": os.path.join(workdir, "output"),
+        }
+    )
+
+    # What `specforge train` does before assembly (specforge.cli._train): the sharding env, the seed, a
+    # one-process env:// rendezvous, then SpecForge's own distributed init (gloo on CPU). The env is put back
+    # afterwards so the caller's process is left as it was.
+    env_keys = ("FSDP_SHARDING", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved_env = {key: os.environ.get(key) for key in env_keys}
+    os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.training.seed)
+    own_group = not dist.is_initialized()
+    if own_group:
+        from specforge.cli import _bootstrap_single_process_env
+
+        for key in env_keys[1:]:
+            os.environ.pop(key, None)
+        _bootstrap_single_process_env()
+        init_distributed(timeout=cfg.training.dist_timeout)
+    try:
+        trainer = build_application_run(cfg).trainer
+        # One batch from the trainer's own loader: SpecForge's offline reader, feature store, the algorithm's
+        # normalizer (EAGLE-3 zeroes the last loss position; DFlash refuses a sample without two consecutive
+        # loss tokens) and its collator.
+        loader = trainer._loader
+        try:
+            batch = next(iter(loader))
+        finally:
+            loader.close()
+        # What TrainerController.fit does around each step, without the epoch/data bookkeeping.
+        trainer.core.strategy.trainable_module().train()
+        results = []
+        for step in range(steps):
+            out = trainer.core.train_step(batch, ctx=StepContext(global_step=step, total_steps=steps))
+            assert out.optimizer_stepped  # accumulation_steps is 1
+            results.append(
+                {
+                    "step": step,
+                    # The trainer's own reduced loss: DFlash's weighted CE over its loss terms; EAGLE-3's
+                    # ploss over the TTT positions, decayed by 0.8 per position.
+                    "loss": float(out.loss),
+                    # BF16Optimizer.step's global L2 norm of the trainable draft parameters' gradients,
+                    # taken before it clips them (max_grad_norm 0.5).
+                    "grad_norm": float(out.grad_norm),
+                    # The trainer's own "acc": DFlash's top-1 over weighted block positions; EAGLE-3's
+                    # top-1 summed over all TTT positions.
+                    "accuracy": float(out.metrics["acc"]),
+                }
+            )
+        return results
+    finally:
+        if own_group:
+            destroy_distributed()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
