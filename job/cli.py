@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             ".venv-trainers (`make trainers`; job/trainers/)")
     t.add_argument("exports", nargs="+", help="export directories (local)")
     t.add_argument("--steps", type=int, default=5, help="optimizer steps on one repeated batch (default 5)")
+    t.add_argument("--json", action="store_true", help="one JSON line per export (steps, problems, seconds)")
     t.add_argument("--python", default=str(TRAINERS_PYTHON),
                    help="the trainers' Python (default: .venv-trainers/bin/python of this checkout)")
 
@@ -191,8 +192,8 @@ def _train_check(args) -> int:
                           ".venv-trainers with SpecForge and speculators, ~1 min)")
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([args.python, "-m", "job.trainers", *args.exports, "--steps", str(args.steps)],
-                          env=env).returncode
+    return subprocess.run([args.python, "-m", "job.trainers", *args.exports, "--steps", str(args.steps),
+                           *(["--json"] if args.json else [])], env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -431,3 +431,23 @@ def test_loss_on_every_assistant_turn_covers_the_history_s_answers(tiny_model_di
     assert make_plan("speculators", "eagle3", [0, 1, 2, 3], 4, True).loss_turns == "last_turn"
     with pytest.raises(ExportError, match="needs the target's tokenizer"):
         make_plan("specforge", "dflash", [0, 1, 2, 3], 4, False)
+
+
+@pytest.mark.slow  # the trainers' imports and 4 x 5 steps (~40 s); needs .venv-trainers (make trainers)
+def test_the_hybrid_target_exports_and_trains_like_the_dense_one(runs, tmp_path):
+    """The tiny hybrid (Qwen3.5: Gated DeltaNet + gated attention, text config nested in a multimodal wrapper) from
+    its pre-norm run, the every-trainer layout: all four exports train with the trainers' own code. (The dense
+    target trains in tests/test_trainers.py, on the shared run.)"""
+    from test_trainers import FORMATS, assert_trained, train_check, trainers_environment
+
+    by_norm, model_dir = runs
+    if "hybrid" not in model_dir:
+        pytest.skip("the dense target's exports train in tests/test_trainers.py (the shared run)")
+    trainers_environment()
+    exports = []
+    for to, fmt in FORMATS:
+        out = str(tmp_path / f"{to}-{fmt}")
+        export(by_norm[True], to=to, format=fmt, output=out)
+        exports.append(out)
+    for result in train_check(exports).values():
+        assert_trained(result)

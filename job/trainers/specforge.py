@@ -2,7 +2,7 @@
 
     PYTHONPATH=. /tmp/tv/bin/python -c 'from job.trainers import specforge ...'
 
-`draft_config(manifest)` writes the draft-model JSON a user hands to SpecForge (`model.draft_model_config`);
+`draft_config(manifest)` returns the draft-model JSON a user hands to SpecForge (`model.draft_model_config`);
 `train(...)` assembles the run exactly as `specforge train` does for an offline run (typed `Config` ->
 `build_application_run` -> draft model, optimizer, DDP backend, the trainer's own feature loader), takes one
 batch from that loader and runs `steps` optimizer steps of `TrainerCore.train_step` on it: the strategy's
@@ -29,9 +29,14 @@ _TARGET_FIELDS = (
     "attention_dropout", "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
 )
 
-# Samples in the one repeated batch: enough that a sample with no loss token (EAGLE-3 drops the last
-# position of every loss mask) cannot make the whole batch's loss 0.
+# Samples in the one repeated batch: two, so that one sample without a loss token (EAGLE-3 drops the last
+# position of every loss mask) cannot make the batch's loss 0, and no more because on CPU EAGLE-3's loss
+# kernel runs in the Triton interpreter at ~4 ms per token per TTT position, forward and backward: a step
+# costs ~30 ms per loss token.
 BATCH_SIZE = 2
+# 3x SpecForge's default 1e-4: with its cosine schedule over 5 steps, 1e-4 moves DFlash's loss by ~12%
+# (34.8 -> 30.6 on the random-token export), 3e-4 by ~40%, both falling every step; at 1e-3 it rises again after step 2.
+LEARNING_RATE = 3e-4
 
 
 def _text_config(model_dir: str) -> dict:
@@ -89,11 +94,20 @@ def draft_config(manifest: dict) -> dict:
             num_hidden_layers=1,  # SpecForge's EAGLE-3 fixes the draft at one layer, tiny or not
             draft_vocab_size=draft_vocab,
             target_hidden_size=int(target["hidden_size"]),
-            eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
+            eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids},
         )
     else:
         raise ValueError(f"unknown SpecForge format {manifest['format']!r}: expected 'dflash' or 'eagle3'")
     return config
+
+
+def config_layer_ids(config: dict, fmt: str) -> list[int] | None:
+    """The target layer ids a SpecForge draft config names (None: none, SpecForge would use its defaults)."""
+    if fmt == "dflash":
+        ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    else:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else [int(i) for i in ids]
 
 
 def _target_copy(model_dir: str, workdir: str) -> tuple[str, str, str]:
@@ -144,9 +158,10 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     """Run `steps` optimizer steps of SpecForge's own training code on ONE repeated batch from export_dir.
     Returns one dict per step: {"step": i, "loss": float, "grad_norm": float, "accuracy": float}.
     Imports specforge lazily (inside the function). workdir: scratch dir for e.g. a copy of the target dir."""
-    # Both before torch/specforge are imported, since both are read at import time:
-    # EAGLE-3's loss (specforge.core.loss.LogSoftmaxLoss) is a Triton kernel; compiled, it needs a GPU.
-    # The interpreter runs it on CPU.
+    # Both set before specforge is imported: triton reads TRITON_INTERPRET when @triton.jit decorates, dynamo
+    # reads TORCHDYNAMO_DISABLE when its config is imported.
+    # EAGLE-3's loss (specforge.core.loss.LogSoftmaxLoss) is a Triton kernel; launched compiled on CPU tensors:
+    # "RuntimeError: 0 active drivers ([]). There should only be one." The interpreter runs it on CPU.
     os.environ["TRITON_INTERPRET"] = "1"
     # No error avoided: the first EAGLE-3 step spends ~150 s in torch.compile (specforge.algorithms.eagle3.model
     # has @torch.compile helpers); eager gives the same numbers.
@@ -204,7 +219,7 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
                 "attention_backend": "sdpa",
                 "batch_size": min(BATCH_SIZE, num_samples),
                 "max_steps": steps,
-                "learning_rate": float(os.environ.get("SFLR", 1e-4)),
+                "learning_rate": LEARNING_RATE,
                 "log_interval": 1,
                 "seed": 0,
             },
@@ -224,6 +239,7 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     set_seed(cfg.training.seed)
     own_group = not dist.is_initialized()
     if own_group:
+        # The CLI's own helper: RANK=0, WORLD_SIZE=1, a free loopback MASTER_PORT.
         from specforge.cli import _bootstrap_single_process_env
 
         for key in env_keys[1:]:
@@ -249,14 +265,17 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
             results.append(
                 {
                     "step": step,
-                    # The trainer's own reduced loss: DFlash's weighted CE over its loss terms; EAGLE-3's
-                    # ploss over the TTT positions, decayed by 0.8 per position.
+                    # The trainer's own reduced loss: DFlash's CE over its loss terms; EAGLE-3's per-TTT-position
+                    # losses weighted 0.8**i. EAGLE-3 counts only positions whose target top-1 token is in the
+                    # draft vocabulary (position_mask = loss_mask * t2d[argmax]): if none is, loss and gradient
+                    # are exactly 0.
                     "loss": float(out.loss),
-                    # BF16Optimizer.step's global L2 norm of the trainable draft parameters' gradients,
-                    # taken before it clips them (max_grad_norm 0.5).
+                    # BF16Optimizer.step's global L2 norm of the trainable draft parameters' gradients (EAGLE-3's
+                    # frozen embedding excluded), taken before it clips them to max_grad_norm 0.5; for DFlash after
+                    # TrainerCore divided them by the loss-token count.
                     "grad_norm": float(out.grad_norm),
-                    # The trainer's own "acc": DFlash's top-1 over weighted block positions; EAGLE-3's
-                    # top-1 summed over all TTT positions.
+                    # The trainer's own "acc": DFlash's top-1 hits over its weighted block positions; EAGLE-3's
+                    # top-1 hits over loss-masked positions, pooled over the 7 TTT positions.
                     "accuracy": float(out.metrics["acc"]),
                 }
             )

@@ -56,6 +56,22 @@ def _trainer_layer_ids(manifest, num_layers):
     return ids
 
 
+def _mask_token_id(model_dir, vocab_size):
+    """The draft mask token speculators' `resolve_mask_token_id` (train/utils.py) would pick, worked out from
+    tokenizer.json: `<|MASK|>` added at len(tokenizer) when the embedding has unused slots. Given explicitly, it
+    spares speculators `AutoProcessor.from_pretrained(verifier)`, which for a multimodal target (Qwen3.5/3.6) builds
+    the image processor too: "Can't load image processor for ..." without a preprocessor_config.json (the tiny
+    hybrid fixture), and torchvision, which the trainers' environment leaves out, with one. None: let it resolve."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tok = json.load(f)
+    ids = set((tok.get("model") or {}).get("vocab", {}).values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    size = max(ids) + 1 if ids else 0
+    return size if 0 < size < vocab_size else None
+
+
 def draft_config(manifest: dict) -> dict:
     """A ready speculators draft config for this export: what a user passes to speculators' trainer.
 
@@ -90,6 +106,9 @@ def draft_config(manifest: dict) -> dict:
         "on_missing": "raise",
         "seed": 0,
     }
+    mask = _mask_token_id(model_dir, target_vocab)
+    if mask is not None:
+        cfg["mask_token_id"] = mask
     if manifest.get("output"):
         cfg["data_path"] = manifest["output"]
     if tiny:
@@ -108,6 +127,40 @@ def draft_config(manifest: dict) -> dict:
         "target_model_type": text.get("model_type"),
     }
     return cfg
+
+
+# speculators' TrainConfig groups (speculators/train/config/schema.py _GROUPS): a run.yaml / --config file nests
+# the flat fields under these (optionally inside a "train:" stage block).
+_TRAIN_CONFIG_GROUPS = ("verifier", "draft", "data", "generation", "loss", "optimizer", "scheduler", "trainer",
+                        "logging", "dflash", "dflash2", "dspark", "xpress", "peagle", "mtp", "backend")
+
+
+def _flat_config(config: dict) -> dict:
+    """A speculators trainer config as flat TrainConfig fields: accepts this module's draft_config, a
+    `speculators train` run.yaml / --config mapping (optionally under "train:", fields nested by group) and
+    CLI-style dashed names. Drops "derived"."""
+    cfg = config.get("train") if isinstance(config.get("train"), dict) else config
+    flat = {}
+    for key, value in cfg.items():
+        if key == "derived":
+            continue
+        if key in _TRAIN_CONFIG_GROUPS and isinstance(value, dict):
+            flat.update({k.lstrip("-").replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.lstrip("-").replace("-", "_")] = value
+    return flat
+
+
+def config_layer_ids(config: dict, fmt: str):
+    """The target layer ids (speculators' convention) a speculators draft config names, or None when it names
+    none (the trainer would fall back to its default [2, n // 2, n - 3]). Reads a training config (this module's
+    draft_config, a run.yaml / --config mapping, CLI-style names) or a saved speculator config.json
+    (eagle_aux_hidden_state_layer_ids for EAGLE-3, aux_hidden_state_layer_ids for DFlash). PURE (stdlib)."""
+    ids = _flat_config(config).get("target_layer_ids")
+    if ids is None:
+        key = "aux_hidden_state_layer_ids" if fmt == "dflash" else "eagle_aux_hidden_state_layer_ids"
+        ids = config.get(key)
+    return None if ids is None else [int(i) for i in ids]
 
 
 def _import_speculators():
@@ -181,7 +234,11 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     from speculators.train.data import ArrowDataset
     from speculators.train.dataloader import _setup_dataloader
 
-    fmt = config["speculator_type"]
+    flat = _flat_config(config)
+    fmt = flat.setdefault("speculator_type", manifest["format"])
+    if fmt != manifest["format"]:
+        raise ValueError(f"config trains {fmt!r} but the export is {manifest['format']!r}")
+    flat.setdefault("verifier_name_or_path", manifest["model"])
     work = os.path.abspath(os.path.join(workdir, f"speculators-{fmt}"))
     data_dir = os.path.join(work, "data")
     shutil.rmtree(work, ignore_errors=True)
@@ -191,7 +248,6 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     for name in os.listdir(export_dir):
         os.symlink(os.path.join(os.path.abspath(export_dir), name), os.path.join(data_dir, name))
 
-    flat = {k: v for k, v in config.items() if k != "derived"}
     flat.update(
         data_path=data_dir,
         save_path=os.path.join(work, "checkpoints"),
@@ -203,11 +259,13 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
         # CPU: "FlexAttention does not support backward on CPU" with the default
         # 'simple_flex_attention'.
         draft_attn_impl="sdpa",
-        # CPU: the default 'fused' loss is a Triton GPU kernel.
+        # CPU: the default 'fused' loss is a Triton GPU kernel; on CPU Triton fails with
+        # "0 active drivers ([]). There should only be one."
         loss_implementation="eager",
         # CPU: the trainer's autocast is hard-wired to CUDA (device_type falls back to "cuda" when
-        # no accelerator) and is disabled on CPU, so bf16 hidden states would meet fp32 weights
-        # ("expected m1 and m2 to have the same dtype").
+        # there is no accelerator) and is disabled on CPU, so bf16 hidden states meet the fp32
+        # master weights: DFlash's fc fails with "expected m1 and m2 to have the same dtype, but
+        # got: c10::BFloat16 != float" (EAGLE-3 survives only because its input_norm upcasts).
         hidden_states_dtype="float32",
         # A missing sample must fail, not be generated through a vLLM server.
         on_missing="raise",
@@ -300,7 +358,7 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     class _Capture(logging.Handler):
         def emit(self, record):
             if isinstance(record.msg, dict) and "train" in record.msg:
-                logged.append(dict(record.msg["train"])); print("METRICS", record.msg["train"])
+                logged.append(dict(record.msg["train"]))
 
     norms = []
     real_clip = torch.nn.utils.clip_grad_norm_
@@ -326,8 +384,9 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
         # CPU: the trainer's step timer calls torch.accelerator.synchronize() at every logged
         # step: "Cannot access accelerator device when none is available".
         torch.accelerator.synchronize = lambda *a, **kw: None
-        # CPU: without torchrun, get_local_rank() is 0 and the trainer does model.to(0) and
-        # batch.to(0), i.e. CUDA device 0: "Torch not compiled with CUDA enabled".
+        # CPU: without torchrun, get_local_rank() is 0 and Trainer.setup_model does
+        # model.to(0) (and every step batch.to(0)), an accelerator device index: "Cannot access
+        # accelerator device when none is available" (trainer.py, self.model.to(self.local_rank)).
         sp_trainer.get_local_rank = lambda: "cpu"
     # DFlash draws its anchor positions inside forward (models.dflash.utils.select_anchors,
     # torch.randperm). Re-seeding before every forward makes each step see the same anchors, so
