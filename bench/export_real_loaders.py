@@ -11,6 +11,9 @@ installing them into the venv:
     .venv/bin/python -m pip install --no-deps --target $d/deps datasets==5.1.0 multiprocess xxhash
     PYTHONPATH=$PWD REAL_LOADERS="$d:$d/deps" .venv/bin/python bench/export_real_loaders.py /tmp/xcheck
 
+Loading is not training: `python -m job train-check` (job/trainers/, `make trainers`) runs the trainers' own training
+steps on exports. This script stays as the bit-for-bit reader check.
+
 Builds two stage-2 runs of the tiny dense model (last layer after / before the norm), exports SpecForge DFlash and
 EAGLE-3 and speculators EAGLE-3, and checks them with SpecForge's `OfflineManifestReader(validate_files=True)`,
 `load_feature_file`, its DFlash and EAGLE-3 normalizers and `process_token_dict_to_mappings`; `datasets.load_from_disk`,

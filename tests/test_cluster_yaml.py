@@ -100,7 +100,8 @@ def test_production_config_loads_and_vllm_knows_every_key():
     assert (s["temperature"], s["top_k"], s["top_p"]) == (1.0, 20, 0.95)
     ek = config.engine_kwargs
     assert ek["max_model_len"] > s["max_tokens"]  # room for the prompt
-    assert config.hidden_states.layer_ids == every_trainer_layers(64) == [1, 16, 31, 46, 60, 61, 63]
+    assert config.hidden_states.layer_ids == "every_trainer"  # the demo's rule too: one run serves every trainer
+    assert config.hidden_states.resolved_layer_ids(64) == every_trainer_layers(64) == [1, 16, 31, 46, 60, 61, 63]
     assert config.hidden_states.last_layer_before_norm
     assert config.quality.canary_rows > 0
     assert config.generate.rows_per_shard * config.generate.units_in_flight_per_engine >= ek["max_num_seqs"]
