@@ -14,6 +14,7 @@ from job import layout, scan, schema, storage
 from job.export.conversations import export_conversations
 from job.export.manifest import draft_config as checked_draft_config
 from job.export.manifest import manifest_fields
+from job.export.norm import with_final_norm
 from job.export.samples import (FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB, TRAINER_FILE,
                                 ExportError, count_tokens, drop_reason, finish_export, make_plan,
                                 specforge_vocab_mapping, trainer_sample)
@@ -152,8 +153,8 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
     layer_ids, num_layers, before_norm, model, dtype = _run_layout(shard_uris, storage_config)
-    plan = make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model, dtype=dtype,
-                     loss_turns=loss_turns)
+    plan = with_final_norm(make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model,
+                                     dtype=dtype, loss_turns=loss_turns))
     if to == "specforge" and format == "eagle3":
         target_vocab_size = target_vocab_size or _vocab_size(model)
         draft_vocab_size = draft_vocab_size or min(SPECFORGE_DEFAULT_DRAFT_VOCAB, target_vocab_size)

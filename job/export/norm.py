@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from job.export.samples import ExportError
+from job.export.samples import ExportError, Plan
 
 
 def _checkpoint_tensor(model_dir: str, keys: list[str]):
@@ -36,6 +36,13 @@ def _checkpoint_tensor(model_dir: str, keys: list[str]):
                 return f.get_tensor(key)
     raise ExportError(f"export: the target's final norm weight is not in {model_dir} (looked for {keys}): the export "
                       "needs it to give SpecForge the last layer after the norm")
+
+
+def with_final_norm(plan: Plan) -> Plan:
+    """`plan` with the target's final norm loaded when it has a layer to pass through it."""
+    if plan.norm_slot is not None and plan.final_norm is None:
+        plan.final_norm = load_final_norm(plan.model, plan.dtype)
+    return plan
 
 
 def load_final_norm(model_dir: str, dtype: str):

@@ -63,7 +63,8 @@ class Plan:
     """last_turn: the loss on the turn stage 1 generated (stage 2's mask); every_assistant_turn: also on the
     assistant turns of the history in the prompt (the data's own answers), as SpecForge does."""
     notes: dict = field(default_factory=dict)
-    _norm: object = field(default=None, repr=False, compare=False)
+    final_norm: object = field(default=None, repr=False, compare=False)
+    """The target's final norm (export/norm.py `load_final_norm`), set by the caller when `norm_slot` is not None."""
     _markers: tuple | None = field(default=None, repr=False, compare=False)
 
     def loss_mask(self, input_ids, loss_mask):
@@ -79,14 +80,11 @@ class Plan:
         wants it there."""
         if slot != self.norm_slot:
             return hidden[:, slot]
-        if self._norm is None:
-            from job.export.norm import load_final_norm
-
-            self._norm = load_final_norm(self.model, self.dtype)
+        assert self.final_norm is not None, "load the target's final norm into the plan first (export/norm.py)"
         import torch
 
         with torch.no_grad():
-            return self._norm(hidden[:, slot])
+            return self.final_norm(hidden[:, slot])
 
     @property
     def aux_layer_ids(self) -> list[int]:

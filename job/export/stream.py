@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from job import schema
+from job.export.norm import with_final_norm
 from job.export.samples import Plan, drop_reason, make_plan, trainer_sample
 
 
@@ -59,8 +60,9 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None, los
 
     num_layers, _ = model_shape(config.model)
     hs = config.hidden_states
-    plan = make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers, hs.last_layer_before_norm,
-                     layers, model=config.model, dtype=hs.dtype, loss_turns=loss_turns)
+    plan = with_final_norm(make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers,
+                                     hs.last_layer_before_norm, layers, model=config.model, dtype=hs.dtype,
+                                     loss_turns=loss_turns))
     return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.dtype},
                                        batch_size=None, concurrency=1)
 
