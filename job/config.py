@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,72 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 class ConfigError(ValueError):
     """A config the user must fix; the CLI prints its message without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every value checked where the config is read: its type, then its range, with one line naming the key
+# ---------------------------------------------------------------------------------------------------------------
+
+# The range of every numeric setting: (lowest, highest), None = open. Numeric settings not named here must be >= 0.
+# What 0 means is said in each field's docstring (a timeout of 0 = none, canary_rows 0 = no canary, ...).
+LIMITS: dict[str, tuple[float | None, float | None]] = {
+    "limit": (1, None),
+    "quality.repetition_ngram": (1, None),
+    "quality.repetition_tail_tokens": (1, None),
+    "quality.repetition_min_coverage": (0, 1),
+    "quality.canary_max_template_mismatch": (0, 1),
+    "quality.canary_max_too_short": (0, 1),
+    "quality.canary_max_unclosed_think": (0, 1),
+    "quality.canary_max_error": (0, 1),
+    "generate.rows_per_shard": (1, None),
+    "generate.units_in_flight_per_engine": (1, None),
+    "generate.max_rows_in_flight": (1, None),
+    "generate.num_engines": (1, None),
+    "generate.max_engines": (1, None),
+    "hidden_states.max_length": (1, None),
+    "hidden_states.batch_tokens": (1, None),
+    "hidden_states.rows_per_shard": (1, None),
+    "hidden_states.num_workers": (1, None),
+    "hidden_states.check_tolerance": (1e-12, None),
+    "hidden_states.max_rms": (1e-12, None),
+    "storage.num_retries": (1, None),
+}
+
+
+# Settings where 0 switches something off: the refusal of a negative value says so.
+ZERO_MEANS = {"generate.hang_timeout_s": "0 = no watchdog", "generate.engine_start_timeout_s": "0 = wait for ever",
+              "generate.max_unit_attempts": "0 = retry for ever", "quality.canary_rows": "0 = no canary",
+              "hidden_states.check_samples": "0 = no self-check"}
+
+
+def value_kinds(hint) -> tuple[set, bool]:
+    """({int, float, bool, ...} the hint allows, whether None is allowed)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return {a for a in args if a is not type(None)}, type(None) in args
+
+
+def check_fields(obj, section: str) -> None:
+    """Type and range of every bool, int and float field of a config section (dataclass), before anything uses
+    them: a wrong value stops the load with one line naming the key, not a TypeError (or a job that dies later)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        kinds, optional = value_kinds(hints[f.name])
+        value, key = getattr(obj, f.name), f"{section}.{f.name}".lstrip(".")
+        if not kinds & {bool, int, float} or (value is None and optional):
+            continue
+        if bool in kinds:
+            if not isinstance(value, bool):
+                raise ConfigError(f"config: {key} must be true or false, got {value!r}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if float not in kinds else (int, float)):
+            raise ConfigError(f"config: {key} must be {'an integer' if float not in kinds else 'a number'}"
+                              f"{' or null' if optional else ''}, got {value!r}")
+        low, high = LIMITS.get(key, (0, None))
+        if (low is not None and value < low) or (high is not None and value > high):
+            allowed = f"between {low} and {high}" if high is not None else \
+                f"> 0" if 0 < low < 1e-6 else f">= {low}"
+            zero = f" ({ZERO_MEANS[key]})" if key in ZERO_MEANS else ""
+            raise ConfigError(f"config: {key} must be {allowed}{zero}, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +113,9 @@ class QualityConfig:
     canary_max_too_short: float = 0.5
     canary_max_unclosed_think: float = 0.5
     canary_max_error: float = 0.5
+
+    def __post_init__(self):
+        check_fields(self, "quality")
 
 
 REGENERATE_MODES = ("last_turn", "every_assistant_turn")
@@ -103,15 +174,10 @@ class GenerateConfig:
     a request that runs longer than this with nothing else finishing counts as a hang."""
 
     def __post_init__(self):
-        if self.rows_per_shard < 1:
-            raise ConfigError("config: generate.rows_per_shard must be >= 1")
+        check_fields(self, "generate")
         if self.max_engines is not None and (self.max_engines < 1 or self.max_engines < (self.num_engines or 1)):
             raise ConfigError(f"config: generate.max_engines ({self.max_engines}) must be >= 1 and >= "
                               f"generate.num_engines ({self.num_engines})")
-        for knob in ("engine_start_timeout_s", "hang_timeout_s"):
-            if getattr(self, knob) < 0:
-                raise ConfigError(f"config: generate.{knob} must be >= 0 seconds (0 = no limit), "
-                                  f"got {getattr(self, knob)}")
         if self.regenerate not in REGENERATE_MODES:
             raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
                               f"got {self.regenerate!r}")
@@ -169,6 +235,7 @@ class HiddenStatesConfig:
     """vllm.LLM keyword arguments for the vllm backend, passed through untouched."""
 
     def __post_init__(self):
+        check_fields(self, "hidden_states")
         if self.layer_ids != EVERY_TRAINER and (
                 isinstance(self.layer_ids, str) or not self.layer_ids
                 or not all(isinstance(k, int) and not isinstance(k, bool) for k in self.layer_ids)):
@@ -180,17 +247,13 @@ class HiddenStatesConfig:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16 or float32, "
                               f"got {self.dtype!r}")
-        if self.max_length < 1 or self.rows_per_shard < 1:
-            raise ConfigError("config: hidden_states.max_length and hidden_states.rows_per_shard must be >= 1")
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "
                               f"max_length ({self.max_length}): one full-length sequence must fit in a batch")
         if self.attention not in ("auto", "packed", "padded"):
             raise ConfigError(f"config: hidden_states.attention must be auto, packed or padded, got {self.attention!r}")
-        if self.check_samples < 0 or (self.check_tolerance is not None and self.check_tolerance <= 0):
-            raise ConfigError("config: hidden_states.check_samples must be >= 0 and check_tolerance > 0")
-        if not 0 <= self.min_rms < self.max_rms:
-            raise ConfigError("config: hidden_states.min_rms must be >= 0 and below max_rms")
+        if self.min_rms >= self.max_rms:
+            raise ConfigError(f"config: hidden_states.min_rms ({self.min_rms}) must be below max_rms ({self.max_rms})")
 
     def resolved_layer_ids(self, num_layers: int) -> list[int]:
         """`layer_ids` on a model of `num_layers` decoder layers: negative ids counted from the end, checked."""
@@ -243,10 +306,10 @@ class RunConfig:
 
     def __post_init__(self):
         # Each section checked itself when it was built (its __post_init__); here only the top level's own keys.
+        check_fields(self, "")
+        check_fields(self.storage, "storage")  # StorageConfig lives in storage.py, below this module
         if not self.model:
             raise ConfigError("config: `model` is required (a model directory or name)")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError("config: limit must be >= 1")
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"config: engine_kwargs.tensor_parallel_size must be a positive int, got {tp!r}")

@@ -1,0 +1,67 @@
+"""Every config value is checked where the config is read (issue 31): a wrong type or a value out of range stops the
+load with one `config:` line naming the key, never a TypeError or a job that breaks later (`hang_timeout_s: 0` once
+declared every engine hung at once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from job.config import (LIMITS, ConfigError, GenerateConfig, HiddenStatesConfig, QualityConfig, RunConfig, value_kinds,
+                        load_config)
+from job.storage import StorageConfig
+
+from conftest import DEMO_CONFIG
+
+SECTIONS = {"": RunConfig, "generate": GenerateConfig, "quality": QualityConfig, "hidden_states": HiddenStatesConfig,
+            "storage": StorageConfig}
+
+
+def numeric_keys() -> list[str]:
+    """Every int or float setting of every section, as a dotted key."""
+    out = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kinds, _ = value_kinds(hints[f.name])
+            if kinds & {int, float} and bool not in kinds:
+                out.append(f"{section}.{f.name}".lstrip("."))
+    return out
+
+
+KEYS = numeric_keys()
+
+
+def test_every_numeric_setting_is_walked():
+    names = set(KEYS)
+    assert {"generate.hang_timeout_s", "quality.canary_rows", "hidden_states.batch_tokens", "storage.retry_base_s",
+            "limit"} <= names
+    assert set(LIMITS) <= names, "a LIMITS entry names no setting"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_zero_negative_and_wrong_type_are_refused_naming_the_key(key):
+    low, _ = LIMITS.get(key, (0, None))
+    for bad in (-1, "seven", True, [3]):
+        with pytest.raises(ConfigError, match=rf"^config: {key.replace('.', '[.]')} must be"):
+            load_config(DEMO_CONFIG, **{key: bad})
+    if low is not None and low > 0:  # 0 is out of this setting's range
+        with pytest.raises(ConfigError, match=rf"^config: {key.replace('.', '[.]')} must be"):
+            load_config(DEMO_CONFIG, **{key: 0})
+    else:  # 0 means something (its docstring says what) and loads; its combinations are checked too
+        try:
+            load_config(DEMO_CONFIG, **{key: 0})
+        except ConfigError as e:
+            assert key.split(".")[-1] in str(e), e  # refused by a combination, still naming the key
+
+
+def test_booleans_and_combinations():
+    with pytest.raises(ConfigError, match="generate.enable_thinking must be true or false"):
+        load_config(DEMO_CONFIG, **{"generate.enable_thinking": "yes"})
+    with pytest.raises(ConfigError, match="hidden_states.min_rms .* must be below max_rms"):
+        load_config(DEMO_CONFIG, **{"hidden_states.min_rms": 1e5})
+    with pytest.raises(ConfigError, match="batch_tokens .* must be at least max_length"):
+        load_config(DEMO_CONFIG, **{"hidden_states.batch_tokens": 8, "hidden_states.max_length": 16})
+    assert load_config(DEMO_CONFIG, **{"generate.hang_timeout_s": 0}).generate.hang_timeout_s == 0  # no watchdog
