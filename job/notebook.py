@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from job import layout, scan, schema, storage
+from job import layout, scan, schema, storage, target
 from job.formatting import format_bytes
 from job.report import error_kind
 from job.runs import read_run_json
@@ -568,9 +568,9 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
     if layout is None and ov["model"]:
         try:
             from job.config import resolve_layer_ids
-            from job.hidden_states import model_shape
 
-            num_layers, hidden = model_shape(ov["model"])
+            shape = target.shape(ov["model"])
+            num_layers, hidden = shape.num_layers, shape.hidden_size
             layer_ids = resolve_layer_ids(hs_config.get("layer_ids", []), num_layers)
             dtype = hs_config.get("dtype", "bfloat16")
             layout = {"layer_ids": layer_ids, "hidden_size": hidden, "dtype": dtype,

@@ -10,7 +10,8 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from job import layout, scan, schema, storage
+from job import layout, scan, schema, storage, target
+from job.config import ConfigError
 from job.export.conversations import export_conversations
 from job.export.manifest import draft_config as checked_draft_config
 from job.export.manifest import manifest_fields
@@ -94,8 +95,6 @@ def _write_speculators_dataset(output: str, files: list[str], fingerprint: str, 
 def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str, str]:
     """(layer ids, model layers, last layer before norm, model, dtype) from the first and last shard's metadata;
     they must agree (one run, one way of extracting)."""
-    from job.hidden_states import model_shape
-
     seen = None
     for uri in shard_uris[:1] + shard_uris[-1:]:
         meta = _shard_schema(uri, storage_config).metadata
@@ -108,7 +107,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
         seen = layout
     layer_ids, num_layers, norm, model, dtype = seen
     # Shards written before `num_model_layers` was recorded: ask the model's config.
-    num_layers = int(num_layers) if num_layers is not None else model_shape(model)[0]
+    num_layers = int(num_layers) if num_layers is not None else target.shape(model).num_layers
     return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model, dtype
 
 
@@ -235,10 +234,7 @@ def _fingerprint(ids: list[str]) -> str:
 
 
 def _vocab_size(model: str) -> int:
-    from transformers import AutoConfig
-
     try:
-        return int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
-    except (OSError, ValueError) as e:
-        raise ExportError(f"export: cannot read the vocabulary size of {model!r} ({e}); pass --target-vocab-size") \
-            from None
+        return target.shape(model).vocab_size
+    except ConfigError as e:
+        raise ExportError(f"export: cannot read the vocabulary size ({e}); pass --target-vocab-size") from None

@@ -9,24 +9,8 @@ The draft configs themselves are the trainers' business: job/trainers/specforge.
 
 from __future__ import annotations
 
-import json
-import os
-
+from job import target
 from job.export.samples import ExportError, Plan
-
-
-def target_facts(model: str) -> dict:
-    """The target as its config.json says (the text model's config for a multimodal wrapper such as Qwen3.5's)."""
-    path = os.path.join(model, "config.json")
-    if not os.path.exists(path):
-        return {"model": model}
-    config = json.load(open(path))
-    text = config.get("text_config") or config
-    return {"model": model, "architecture": (config.get("architectures") or ["?"])[0],
-            "num_layers": text.get("num_hidden_layers"), "hidden_size": text.get("hidden_size"),
-            "vocab_size": text.get("vocab_size"),
-            # The project's own fixtures (job/tiny_model.py writes build_info.json): a tiny draft fits them.
-            "tiny": os.path.exists(os.path.join(model, "build_info.json"))}
 
 
 def manifest_fields(plan: Plan, dtype: str) -> dict:
@@ -42,7 +26,7 @@ def manifest_fields(plan: Plan, dtype: str) -> dict:
             "stored": "before the final norm" if plan.last_before_norm else "after the final norm",
             "exported": "after the final norm" if after else "before the final norm",
             "norm_applied_by_export": plan.norm_slot is not None}
-    facts = target_facts(plan.model) if plan.model else {}
+    facts = target.facts(plan.model) if plan.model else {}
     return {"model": plan.model, "target": facts, "dtype": dtype, "layers": layers, "loss_turns": plan.loss_turns,
             "tiny": bool(facts.get("tiny")), **plan.notes}
 

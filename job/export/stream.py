@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from job import schema
+from job import schema, target
 from job.export.norm import with_final_norm
 from job.export.samples import Plan, drop_reason, make_plan, trainer_sample
 
@@ -56,9 +56,9 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None, los
     """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
     online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`)."""
     from job.config import resolve_layer_ids
-    from job.hidden_states import dataset, model_shape
+    from job.hidden_states import dataset
 
-    num_layers, _ = model_shape(config.model)
+    num_layers = target.shape(config.model).num_layers
     hs = config.hidden_states
     plan = with_final_norm(make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers,
                                      hs.last_layer_before_norm, layers, model=config.model, dtype=hs.dtype,

@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import layout, redaction, schema, storage
+from job import layout, redaction, schema, storage, target
 from job.config import RunConfig, from_dict
 from job.generate import inputs, prompts, quality
 
@@ -41,31 +41,15 @@ class EngineStartError(RuntimeError):
     model that cannot load never loads on a retry."""
 
 
-def model_config_json(model_path: str) -> dict:
-    import json
-
-    path = os.path.join(model_path, "config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def is_hybrid(model_config: dict) -> bool:
-    """Gated DeltaNet (or other linear-attention) layers beside attention: Qwen3.5/3.6, Qwen3-Next."""
-    text = model_config.get("text_config", model_config)
-    return "linear_attention" in (text.get("layer_types") or [])
-
-
 def text_only_engine_kwargs(model_path: str, engine_kwargs: dict) -> tuple[dict, str | None]:
     """`engine_kwargs` with `language_model_only: true` added for a multimodal checkpoint (`*ForConditionalGeneration`,
     as the Qwen3.5/3.6 target is), and the line that says so; unchanged (and None) otherwise or when the config sets
     it either way. Our prompts are text: the vision tower is never used, and without this vLLM profiles it and, for
     a model directory without `preprocessor_config.json`, fails inside its multimodal processor at start-up. It
     changes memory, not what is sampled (it is not part of a run's identity)."""
-    architectures = model_config_json(model_path).get("architectures") or []
-    if "language_model_only" in engine_kwargs or not architectures or \
-            not all(a.endswith("ForConditionalGeneration") for a in architectures):
+    config = target.config_json(model_path)
+    architectures = config.get("architectures") or []
+    if "language_model_only" in engine_kwargs or not target.is_multimodal(config):
         return engine_kwargs, None
     note = (f"engine: {architectures[0]} is a multimodal checkpoint and the prompts are text: "
             "engine_kwargs.language_model_only: true (the vision tower is not loaded; set it to false to keep it)")
@@ -78,7 +62,7 @@ def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *
     spec = engine_kwargs.get("speculative_config") or {}
     if on_gpu or spec.get("method") != "mtp":
         return None
-    if is_hybrid(model_config_json(model_path)) and engine_kwargs.get("enable_prefix_caching", True):
+    if target.is_hybrid(target.config_json(model_path)) and engine_kwargs.get("enable_prefix_caching", True):
         return ("vLLM's CPU build cannot run MTP with prefix caching on a hybrid model (the state copy of its "
                 "'align' cache mode is a Triton kernel, which the CPU build lacks; the engine dies at the first "
                 "step). Set engine_kwargs.enable_prefix_caching: false, or drop speculative_config, on CPU.")
@@ -130,7 +114,7 @@ def reason_logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> st
 def _why_engine_failed(model_path: str, error: BaseException, logged: str | None = None) -> str:
     """The most useful line about a failed engine start. vLLM reports a model class it cannot import only as
     "architectures ... failed to be inspected" (the import error goes to the log): import it again to say why."""
-    architectures = model_config_json(model_path).get("architectures") or []
+    architectures = target.config_json(model_path).get("architectures") or []
     try:
         from vllm.model_executor.models.registry import ModelRegistry
 

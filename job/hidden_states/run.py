@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from job import layout, progress, redaction, runs, scan, schema, stage, storage
+from job import layout, progress, redaction, runs, scan, schema, stage, storage, target
 from job.formatting import format_bytes
 from job.config import ConfigError, RunConfig, resolve_layer_ids
 from job.drafters import EVERY_TRAINER
@@ -134,18 +134,6 @@ def _take_covering_marker(unit: HiddenStateUnit, full: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def model_shape(model: str) -> tuple[int, int]:
-    """(decoder layers, hidden size) from the model's config.json (no weights loaded)."""
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model {model!r}: cannot read its config ({e})") from None
-    text = cfg.get_text_config()
-    return int(text.num_hidden_layers), int(text.hidden_size)
-
-
 def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
     """What must not change when stage 2 resumes into the same shards."""
     hs = config.hidden_states
@@ -166,7 +154,8 @@ def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = No
     """What the run will store: bytes per token and the total for the input (clipping and skipped rows counted;
     reads only the length columns of the completion shards)."""
     hs = config.hidden_states
-    num_layers, hidden = model_shape(config.model)
+    shape = target.shape(config.model)
+    num_layers, hidden = shape.num_layers, shape.hidden_size
     layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
     units = units if units is not None else plan_units(config)
     with ThreadPoolExecutor(16) as pool:
@@ -225,7 +214,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
         stage.ensure_ray(config)
         cluster.check_paths_reach_workers(config, {"--output": config.output})
-    num_layers, hidden = model_shape(config.model)
+    shape = target.shape(config.model)
+    num_layers, hidden = shape.num_layers, shape.hidden_size
     try:
         layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
     except ValueError as e:
@@ -352,7 +342,7 @@ def dataset(config: RunConfig):
     `ds.iter_torch_batches(batch_size=N, collate_fn=collate)`. Columns as in the shards; `hidden_states` is a
     [num_tokens, num_layers, hidden] array per sample (bfloat16 travels as its uint16 bits; `collate` views
     them as torch.bfloat16 again)."""
-    num_layers, _ = model_shape(config.model)
+    num_layers = target.shape(config.model).num_layers
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
     return _pipeline(config, plan_units(config), layer_ids, "stream")
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
-from job import schema
+from job import schema, target
 from job.config import resolve_layer_ids
 from job.hidden_states.checks import FeatureStats, check_features
 from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool
@@ -34,11 +34,10 @@ class VllmExtractor:
                  engine_kwargs: dict | None = None, shm_dir: str = "/dev/shm/datagen-hidden-states",
                  min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True,
                  last_layer_before_norm: bool = False, prefetch: int = 1):
-        from transformers import AutoConfig
         from vllm import LLM
 
-        text = AutoConfig.from_pretrained(model).get_text_config()
-        num_layers = int(text.num_hidden_layers)
+        shape = target.shape(model)
+        num_layers = shape.num_layers
         self.num_model_layers = num_layers
         self.layer_ids = resolve_layer_ids(layer_ids, num_layers)
         self.last_layer_before_norm = last_layer_before_norm
@@ -47,7 +46,7 @@ class VllmExtractor:
                              "the transformers convention it is taken after the final norm, and vLLM exposes only "
                              "the residual stream before it. Use the transformers backend, a lower layer, or "
                              "hidden_states.last_layer_before_norm: true (vLLM id N, what speculators stores).")
-        self.hidden_size, self.dtype = int(text.hidden_size), dtype
+        self.hidden_size, self.dtype = shape.hidden_size, dtype
         self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
         self.prefetch = prefetch  # parts the engine works on ahead of the read-back (0: in line)
