@@ -61,7 +61,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from job import plan, status
+    from job.runview import plan, status
 
     parser = argparse.ArgumentParser(prog="python -m job", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--python", default=str(TRAINERS_PYTHON),
                    help="the trainers' Python (default: .venv-trainers/bin/python of this checkout)")
 
-    s = sub.add_parser("status", help="progress of a run from its run directory alone (job/status.py)",
+    s = sub.add_parser("status", help="progress of a run from its run directory alone (job/runview/status.py)",
                        parents=run_dir, description=status.__doc__.split("\n\n")[0])
     s.add_argument("run", help="run directory (local path or s3:// URI)")
     s.add_argument("--window-min", type=float, default=30.0,
@@ -122,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count rows from shard names only, do not open shards (no tokens, no quality rates)")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
 
-    pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/plan.py)", parents=run_dir,
+    pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/runview/plan.py)", parents=run_dir,
                         description=plan.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="example: python -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 7 "
                                "--tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81\n"
-                               "the arithmetic and the benchmark file format: job/plan.py")
+                               "the arithmetic and the benchmark file format: job/runview/plan.py")
     pl.add_argument("--prompts", type=int, help="prompts to complete (default with --from: the run's total rows)")
     pl.add_argument("--tokens-per-prompt", type=float, help="mean output tokens per prompt (reasoning + answer)")
     pl.add_argument("--gpus", type=int, help="GPUs generating (one engine per GPU, or per TP group)")
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--from-gpus", type=int, help="GPUs the --from run used, when its run.json does not record it")
     pl.add_argument("--from-bench", metavar="FILE",
                     help="take tokens/s per GPU from a benchmark result JSON (e.g. bench/results/*.json; the format "
-                         "is in job/plan.py); it wins over --from's rate")
+                         "is in job/runview/plan.py); it wins over --from's rate")
     pl.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
     t = sub.add_parser("tiny-model", help="build one of the project's tiny models (dense Qwen3, or hybrid Qwen3.5)")
@@ -230,7 +230,7 @@ def _dispatch(args) -> int:
                           "--take-lock (take over a dead job's writer lock); changed input is never resumed")
     if args.command == "generate":
         from job.generate import run_generate
-        from job.report import print_summary
+        from job.generate import print_summary
 
         config = _config(args)
         summary = run_generate(config, allow_drift=args.allow_drift, take_lock=args.take_lock,
@@ -266,18 +266,18 @@ def _dispatch(args) -> int:
     if args.command == "train-check":
         return _train_check(args)
     if args.command == "report":
-        from job.report import build_report, format_report
+        from job.runview.report import build_report, format_report
 
         print(format_report(build_report(args.run, _storage(args))))
         return 0
     if args.command == "status":
-        from job.status import build_status, format_status
+        from job.runview.status import build_status, format_status
 
         st = build_status(args.run, _storage(args), window_s=args.window_min * 60, read_columns=not args.names_only)
         print(json.dumps(st, indent=2) if args.json else format_status(st))
         return 0
     if args.command == "plan":
-        from job.plan import format_plan, plan_from_flags
+        from job.runview.plan import format_plan, plan_from_flags
 
         estimate, measured = plan_from_flags(args, _storage(args))
         print(json.dumps({**estimate, "measured": measured}, indent=2, default=str) if args.json

@@ -91,7 +91,7 @@ def check_fields(obj, section: str) -> None:
         low, high = LIMITS.get(key, (0, None))
         if (low is not None and value < low) or (high is not None and value > high):
             allowed = f"between {low} and {high}" if high is not None else \
-                f"> 0" if 0 < low < 1e-6 else f">= {low}"
+                "> 0" if 0 < low < 1e-6 else f">= {low}"
             zero = f" ({ZERO_MEANS[key]})" if key in ZERO_MEANS else ""
             raise ConfigError(f"config: {key} must be {allowed}{zero}, got {value!r}")
 

@@ -67,7 +67,7 @@ def write_demo_prompts(output_dir: str = DEMO_PROMPTS_DIR, num_prompts: int = NU
 def run_demo(output: str) -> int:
     from job.config import DEFAULT_CONFIG, load_config
     from job.generate import run_generate
-    from job.report import print_summary
+    from job.generate import print_summary
     from job.tiny_model import ensure_tiny_model
 
     print(f"demo: tiny model in {TINY_MODEL_DIR} (built once, ~1-2 min)", flush=True)

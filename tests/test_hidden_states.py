@@ -320,7 +320,7 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
                                                                               capsys):
     """Stage 1 still running (its run.json says so, one shard not yet written): stage 2 does the committed shards,
     says that it is partial (not "complete"), and a later rerun does only the shard added since."""
-    from job import status
+    from job.runview import status
     from job.runs import read_run_json
 
     run = str(tmp_path)

@@ -347,7 +347,7 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
         table.filter(pa.compute.equal(table.column("id"), "c00002#1")).column("prompt_token_ids")[0].as_py())
 
     # The notebook's per-turn table: rows per turn and the originals' mean length, from the shards.
-    from job import notebook as ji
+    from job.runview import notebook as ji
 
     per_turn = {t["turn"]: t for t in ji.turn_lengths(ji.read_rows(config.output))}
     good = [r for r in table.to_pylist() if r["error"] is None]

@@ -1,6 +1,6 @@
 """The session's shared run (tests/conftest.py: stage 1 on a real local Ray with the real vLLM CPU build and the tiny
 model, through a faulty S3 proxy, then stage 2's real transformers forward, on the moto S3 server): checked end to
-end, then read by the inspection helpers (job/notebook.py) and the notebook, on S3 and from local copies taken after
+end, then read by the inspection helpers (job/runview/) and the notebook, on S3 and from local copies taken after
 stage 2 and between the two stages (as a run looks before stage 2). Every test that reads the shared run is in this
 file: with two workers (pytest-xdist, `--dist loadfile`) a file runs on one worker, so the run is made once.
 
@@ -23,8 +23,11 @@ import pytest
 import torch
 from conftest import BAD_ROWS, BEYOND_LIMIT, NUM_PLAIN, REPO, check_completions, read_run
 
-from job import cli, layout, notebook as ji
-from job import report, scan, schema, storage
+from job import cli, layout
+from job.runview import hidden as jh
+from job.runview import notebook as ji
+from job import scan, schema, storage
+from job.runview import report
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
 NUM_ROWS = NUM_PLAIN + 1 + len(BAD_ROWS)  # the rows the shared run covers: plain prompts, a chat, the bad rows
@@ -209,8 +212,8 @@ def test_run_without_shards_yet(stage1_dir, tmp_path):
     assert all(len(v) == 0 for v in ji.token_lengths(empty).values())
     _renders(ji.plot_length_histograms(ji.token_lengths(empty)))
     _renders(ji.plot_flag_rates(report.build_report(str(tmp_path))))
-    proj = ji.storage_projection(str(tmp_path), empty)
-    assert proj["projected_tokens"] == 0 and "nothing to project from" in ji.format_projection(proj)
+    proj = jh.storage_projection(str(tmp_path), empty)
+    assert proj["projected_tokens"] == 0 and "nothing to project from" in jh.format_projection(proj)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,12 +367,12 @@ def test_fetch_rows_and_render(run_dir, rows, table, tokenizer):
 def test_hidden_state_summary(run_dir, rows, table):
     from job.hidden_states import load
 
-    layout = ji.hidden_state_layout(run_dir)
+    layout = jh.hidden_state_layout(run_dir)
     assert layout["layer_ids"] == [0, 1, 2, 3] and layout["dtype"] == "bfloat16"  # every trainer's (demo.yaml)
     assert layout["num_shards"] == len(completion_shard_files(run_dir)), "one part per completion shard here"
     assert layout["bytes_per_token"] == 4 * layout["hidden_size"] * 2 + 5
 
-    summary = ji.summarize_hidden_states(run_dir, max_samples=64, num_traces=2)
+    summary = jh.summarize_hidden_states(run_dir, max_samples=64, num_traces=2)
     ok = [r for r in table.to_pylist() if r["error"] is None]
     assert summary["num_samples"] == len(ok), "keep_flagged: every non-error row has hidden states"
     assert summary["num_tokens"] == sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
@@ -384,20 +387,20 @@ def test_hidden_state_summary(run_dir, rows, table):
     assert summary["traces"][0]["id"] == first["id"] and len(summary["traces"]) == 2
     assert (summary["traces"][0]["loss_mask"] == first["loss_mask"].numpy()).all()
 
-    text = ji.format_hidden_summary(summary)
+    text = jh.format_hidden_summary(summary)
     assert "checks: all passed" in text and f"[num_tokens, 3, {layout['hidden_size']}] bfloat16" in text
-    assert ji.check_token_alignment(run_dir, rows) == []
-    fig = ji.plot_layer_norms(summary)
+    assert jh.check_token_alignment(run_dir, rows) == []
+    fig = jh.plot_layer_norms(summary)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "1", "3"]
     assert len(fig.axes[1].get_lines()) == 3
     _renders(fig)
-    assert ji.summarize_hidden_states(run_dir, max_samples=2)["num_samples"] == 2
+    assert jh.summarize_hidden_states(run_dir, max_samples=2)["num_samples"] == 2
 
 
 def test_status_reports_stage2_rows(run_dir, stage1_dir, table, tmp_path, capsys):
     """`python -m job status` on the real run: stage 2's rows done / to do come from its markers, not from
     stage-1 shard names (which the stage-2 part names are not)."""
-    from job import status
+    from job.runview import status
 
     ok = [r for r in table.to_pylist() if r["error"] is None]
     st = status.build_status(run_dir)
@@ -437,7 +440,7 @@ def test_hidden_state_checks_fire_on_bad_features(run_dir, rows, tmp_path):
 
     bad = str(tmp_path / "run")
     shutil.copytree(run_dir, bad)
-    uri = ji.hidden_state_shards(bad)[0]
+    uri = jh.hidden_state_shards(bad)[0]
     original = storage.read_shard(uri)
     records = list(iter_records(original))
     samples, blocks = [], []
@@ -455,20 +458,20 @@ def test_hidden_state_checks_fire_on_bad_features(run_dir, rows, tmp_path):
         blocks.append(features.contiguous().view(torch.uint8).numpy().ravel())
     storage.write_bytes_atomic(uri, table_to_ipc(part_table(samples, np.concatenate(blocks), original.schema)))
 
-    summary = ji.summarize_hidden_states(bad)
+    summary = jh.summarize_hidden_states(bad)
     n0 = records[0]["hidden_states"].shape[0]
     assert summary["layers"][1]["zero_tokens"] == n0 and summary["layers"][0]["nonfinite_tokens"] == 1
     assert summary["layers"][3]["zero_tokens"] == 0
     assert f"layer 1: {n0:,} of" in "\n".join(summary["problems"])
-    assert "PROBLEMS" in ji.format_hidden_summary(summary)
-    misaligned = ji.check_token_alignment(bad, ji.read_rows(bad))
+    assert "PROBLEMS" in jh.format_hidden_summary(summary)
+    misaligned = jh.check_token_alignment(bad, ji.read_rows(bad))
     assert misaligned == [f"{records[2]['id']}: input_ids differ from stage 1's prompt_token_ids + output_token_ids"]
 
 
 def test_no_hidden_states(stage1_dir):
     assert ji.run_overview(stage1_dir)["hidden_states_status"] == "not started"
-    assert ji.hidden_state_shards(stage1_dir) == [] and ji.hidden_state_layout(stage1_dir) is None
-    assert ji.summarize_hidden_states(stage1_dir) is None
+    assert jh.hidden_state_shards(stage1_dir) == [] and jh.hidden_state_layout(stage1_dir) is None
+    assert jh.summarize_hidden_states(stage1_dir) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -479,7 +482,7 @@ def test_no_hidden_states(stage1_dir):
 def test_storage_projection(run_dir, stage1_dir, rows, table):
     from job.hidden_states import load
 
-    proj = ji.storage_projection(run_dir, rows)
+    proj = jh.storage_projection(run_dir, rows)
     ok = [r for r in table.to_pylist() if r["error"] is None]
     tokens = sum(r["num_prompt_tokens"] + r["num_output_tokens"] for r in ok)
     per_token = proj["layout"]["bytes_per_token"]
@@ -490,17 +493,17 @@ def test_storage_projection(run_dir, stage1_dir, rows, table):
     assert proj["stored_tokens"] == sum(len(r["input_ids"]) for r in load(run_dir)) == tokens
     on_disk = sum(os.path.getsize(p) for p in Path(run_dir, "hidden_states").glob("*.arrow"))
     assert proj["stored_bytes"] == on_disk and per_token <= proj["stored_bytes_per_token"] < per_token * 1.1
-    text = ji.format_projection(proj)
+    text = jh.format_projection(proj)
     assert f"{per_token:,} B per token" in text and "on disk" in text
 
     # Before stage 2: bytes per token from the model's config and the run's layer ids; nothing on disk yet.
-    before = ji.storage_projection(stage1_dir, ji.read_rows(stage1_dir))
+    before = jh.storage_projection(stage1_dir, ji.read_rows(stage1_dir))
     assert before["bytes_per_token"] == per_token and before["projected_bytes"] == proj["projected_bytes"]
     assert before["stored_bytes"] is None and before["stage2_estimate"] is None
-    assert "on disk" not in ji.format_projection(before)
+    assert "on disk" not in jh.format_projection(before)
 
     # Half the input done: the total is scaled to all input rows.
-    half = ji.storage_projection(run_dir, rows.slice(0, NUM_ROWS // 2))
+    half = jh.storage_projection(run_dir, rows.slice(0, NUM_ROWS // 2))
     assert half["rows_total"] == NUM_ROWS and half["projected_tokens"] == round(
         half["tokens_kept_so_far"] / (NUM_ROWS // 2) * NUM_ROWS)
     assert ji.format_bytes(1541) == "1.5 KB" and ji.format_bytes(999) == "999 B" and ji.format_bytes(None) == "?"
@@ -523,10 +526,10 @@ def test_helpers_on_s3(s3_run, run_dir, rows):
     assert all(u.startswith(s3_run + "/completions/") for u in s3_rows.column(ji.SHARD).to_pylist())
     ids = ji.pick_rows(s3_rows, 2)
     assert ji.fetch_rows(s3_run, s3_rows, ids) == ji.fetch_rows(run_dir, rows, ids)
-    summary, local = ji.summarize_hidden_states(s3_run), ji.summarize_hidden_states(run_dir)
+    summary, local = jh.summarize_hidden_states(s3_run), jh.summarize_hidden_states(run_dir)
     assert summary["layers"] == local["layers"] and summary["problems"] == []
-    assert ji.check_token_alignment(s3_run, s3_rows) == []
-    proj, local_proj = ji.storage_projection(s3_run, s3_rows), ji.storage_projection(run_dir, rows)
+    assert jh.check_token_alignment(s3_run, s3_rows) == []
+    proj, local_proj = jh.storage_projection(s3_run, s3_rows), jh.storage_projection(run_dir, rows)
     for key in ("stored_bytes", "stored_tokens", "projected_bytes"):
         assert proj[key] == local_proj[key], key
 

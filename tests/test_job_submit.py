@@ -166,7 +166,8 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     assert sorted(ids) == [f"demo-{i:05d}" for i in range(NUM_ROWS)]
 
     # `status` and `plan --from` read the finished run directory alone.
-    from job import cli, status
+    from job import cli
+    from job.runview import status
 
     st = status.build_status(output)
     assert st["rows_done"] == NUM_ROWS and st["rows_remaining"] == 0 and st["output_tokens"] > 0

@@ -12,7 +12,7 @@ from job import schema
 from job.generate import quality
 from job.config import QualityConfig
 from job.generate import CanaryFailed, run_generate
-from job.report import build_report, format_report
+from job.runview.report import build_report, format_report
 
 CFG = QualityConfig(min_content_tokens=5, repetition_ngram=3, repetition_tail_tokens=60,
                     repetition_min_coverage=0.5)

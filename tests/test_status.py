@@ -10,7 +10,8 @@ import time
 import pyarrow as pa
 import pytest
 
-from job import cli, layout, schema, status, storage
+from job import cli, layout, schema, storage
+from job.runview import status
 from job.layout import CompletionUnit
 from job.storage import StorageConfig
 

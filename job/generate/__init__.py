@@ -11,6 +11,6 @@ Modules, in the order a row meets them:
     quality.py      per-row quality flags and the canary's verdict
 """
 
-from job.generate.run import CanaryFailed, GenerateSummary, run_generate
+from job.generate.run import CanaryFailed, GenerateSummary, print_summary, run_generate
 
-__all__ = ["run_generate", "GenerateSummary", "CanaryFailed"]
+__all__ = ["run_generate", "GenerateSummary", "CanaryFailed", "print_summary"]

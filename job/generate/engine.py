@@ -352,8 +352,8 @@ class CompletionGenerator:
                 jobs.append(self._error_row(row, str(e)))
                 source.append(i)
                 continue
-            for target in targets:
-                jobs.append(self._run_row(target, tools))
+            for turn in targets:
+                jobs.append(self._run_row(turn, tools))
                 source.append(i)
         results = await asyncio.gather(*jobs)
         if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard

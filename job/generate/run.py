@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import layout, progress, redaction, report, runs, scan, stage, storage
+from job import layout, progress, redaction, runs, scan, stage, storage
+from job.runview.report import build_report, format_report
 from job.config import ConfigError, RunConfig
 from job.generate import inputs, quality
 
@@ -211,7 +212,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
                                                  "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:
-            report.write_report(config.output, config.storage, guard=held.fence.guard)
+            write_report(config.output, config.storage, guard=held.fence.guard)
         except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
             log.warning("the run is complete but its report could not be written (%s); "
                         "`python -m job report %s` makes it later", e, config.output)
@@ -295,3 +296,39 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from job.lock import FencedOut
 
     return (storage.StorageError, inputs.InputError, EngineStartError, FencedOut)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report and the closing lines
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None) -> dict:
+    """Stage 1's report (job/runview/report.py builds it from the shards) stored at reports/generate.json under the
+    writer lock's fence, as stage 2 stores its own."""
+    report = build_report(run_uri, storage_config)
+    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
+                       guard)
+    return report
+
+
+def print_summary(config, summary: GenerateSummary) -> None:
+    """What `python -m job generate` and `make demo` print when stage 1 ends."""
+    if summary.already_complete:
+        print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
+        return
+    try:
+        report = build_report(config.output, config.storage)
+    except storage.StorageError as e:
+        print(f"\n(report unavailable right now: {e})")
+        report = None
+    if report:
+        print()
+        print(format_report(report))
+    print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
+          f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
+    print(f"shards:  {storage.join(config.output, layout.COMPLETIONS_DIR)}/*.arrow  (report: "
+          f"{storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)})")
+    print(f"look at them: make notebook RUN_DIR={config.output}, or "
+          f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
+          "format='arrow')")

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from job import layout, scan, schema, storage
 from job.formatting import format_bytes, format_duration
+from job.runs import read_run_json
 from job.storage import StorageConfig
 
 # Columns a shard scan reads; everything else (token lists, texts, carried columns) stays on disk.
@@ -216,7 +217,6 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
 def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, window_s: float = 1800.0,
                  now: float | None = None, read_columns: bool = True) -> dict:
     """Everything `python -m job status` prints, as a dict (also what `--json` prints)."""
-    from job.runs import read_run_json
 
     storage_config = storage_config or StorageConfig()
     now = time.time() if now is None else now

@@ -24,7 +24,7 @@ The arithmetic, all of it:
 error rows included since they happen in the full run too), prompt tokens per prompt, shard bytes per row,
 and tokens/s per GPU: `generate.output_tokens_per_s` of run.json (written when the job completes) over its GPUs
 (`generate.num_engines` × tensor_parallel_size, or --from-gpus), else the rate of the shard timestamps (see
-job/status.py).
+job/runview/status.py).
 
 `--from-bench FILE` takes tokens/s per GPU from a benchmark result, a JSON object with one of
     "tokens_per_s_per_gpu": 3562                   the figure itself (what bench/results/*.json hold), or
@@ -41,7 +41,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from job import layout
 from job.formatting import format_bytes
+from job.runs import read_run_json
+from job.runview.status import measure_rate, scan_completions
+from job.storage import StorageConfig
 
 
 # Qwen3.6-27B with the default layer set, every trainer's layers (job/drafters.py): [1, 16, 31, 46, 60, 61, 63],
@@ -175,10 +179,6 @@ def _gpus_of_run(run: dict) -> int | None:
 
 def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = None) -> dict:
     """What a run measured: tokens per prompt, bytes per token, tokens/s per GPU (None if it cannot be known)."""
-    from job import layout
-    from job.runs import read_run_json
-    from job.status import measure_rate, scan_completions
-    from job.storage import StorageConfig
 
     storage_config = storage_config or StorageConfig()
     run = read_run_json(run_uri, storage_config)
@@ -240,7 +240,7 @@ def read_bench(path: str) -> dict:
         tps = float(data["output_tokens"]) / float(data["generation_s"]) / gpus
     else:
         raise PlanError(f"--from-bench {path}: has none of tokens_per_s_per_gpu, tok_per_s_window, or "
-                        "output_tokens with generation_s (see job/plan.py)")
+                        "output_tokens with generation_s (see job/runview/plan.py)")
     notes = [f"{tps:,.0f} tok/s per GPU"] + [f"{data[k]}" for k in ("gpu", "what", "date") if data.get(k)]
     return {"bench": path, "source": f"benchmark {path}", "output_tokens_per_s_per_gpu": tps, "notes": notes}
 
