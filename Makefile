@@ -33,10 +33,14 @@ demo: install
 # workers on 2 cores finish in less time than one. TEST_WORKERS=0: one process. The tiny model is built first, once,
 # by this process (the workers would wait on its lock).
 TEST_WORKERS ?= 2
+# Defined before the rules that name it: make expands a rule's prerequisites as it reads the rule.
+TRAINERS_STAMP := .venv-trainers/.installed
 PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 TINY_MODEL := .cache/tiny-model/build_info.json
-$(TINY_MODEL): $(STAMP) job/tiny_model.py job/data/corpus.txt
-	$(PY) -c "from job.tiny_model import ensure_tiny_model; ensure_tiny_model('.cache/tiny-model')"
+TINY_MODEL_RECIPE := $(addprefix job/builtin/,tiny_model.py corpus.py tokenizer.py architectures.py training.py \
+                       data/corpus.txt data/chat_template.jinja)
+$(TINY_MODEL): $(STAMP) $(TINY_MODEL_RECIPE)
+	$(PY) -c "from job.builtin.tiny_model import ensure_tiny_model; ensure_tiny_model('.cache/tiny-model')"
 test: install $(TINY_MODEL)      # the default tier: both stages end to end, real Ray, vLLM CPU, moto S3, resume after a kill
 	$(PYTEST) -m "not slow" --junitxml=test-results/junit-default.xml tests
 test-slow: install $(TINY_MODEL) $(TRAINERS_STAMP) # several nodes, ray job submit, injected faults, the notebook, the hybrid model, builds
@@ -60,7 +64,6 @@ $(NOTEBOOK_STAMP): $(STAMP)
 # The drafter trainers' own environment, apart from the job's (their pins do not fit it): SpecForge 0.2.0, speculators
 # 0.9.0 and what their training code imports (job/trainers/requirements.txt says what is left out and why). ~1 min.
 # Used by `python -m job train-check EXPORT` (job/trainers/) and the slow tier's training test.
-TRAINERS_STAMP := .venv-trainers/.installed
 trainers: $(TRAINERS_STAMP)
 $(TRAINERS_STAMP): job/trainers/requirements.txt
 	python3 -m venv .venv-trainers

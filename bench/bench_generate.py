@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO / "bench"))
 def _setup(num_prompts: int, workdir: str, config_path: str | None = None, overrides: dict | None = None):
     """The run config: configs/demo.yaml on the tiny model, or `config_path` (e.g. bench/gpu_stage1.yaml) with
     its `model` built by bench/dummy_model.py when it is the 27B hybrid shape; then dotted-key `overrides`."""
+    from job.builtin.demo import TINY_MODEL_DIR, write_demo_prompts
+    from job.builtin.tiny_model import ensure_tiny_model
     from job.config import load_config
-    from job.demo import TINY_MODEL_DIR, write_demo_prompts
-    from job.tiny_model import ensure_tiny_model
 
     prompts = write_demo_prompts(os.path.join(workdir, "prompts"), num_prompts, max(4, num_prompts // 256),
                                  num_conversations=0)

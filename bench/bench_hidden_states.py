@@ -86,13 +86,13 @@ def plain_forward(model, batches, device: str, packed: bool) -> float:
     right-padded rows with a mask); packed=True uses the extractor's varlen attention on concatenated rows."""
     import torch
 
-    from job.hidden_states.packing import PACKED_ATTENTION, _register_packed_attention
+    from job.hidden_states.packing import PACKED_ATTENTION, register_packed_attention
 
     stack, config = model.model, model.model.config
     cuda = device == "cuda"
     dev = (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)) if cuda else torch.from_numpy
     if packed:
-        _register_packed_attention()
+        register_packed_attention()
     implementation = config._attn_implementation
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -266,8 +266,7 @@ def vllm_check(args) -> dict:
         # The ceiling, in the same engine: vLLM's own extraction into files, every sample in one generate call,
         # nothing read back (the files are deleted after the clock stops).
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import \
-            cleanup_hidden_states
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
 
         started = time.perf_counter()
         outs = vx.llm.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in samples],

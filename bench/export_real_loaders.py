@@ -31,15 +31,15 @@ from pathlib import Path
 
 
 def build(work: str) -> None:
-    import ray
+    import numpy as np
     import pyarrow as pa
+    import ray
 
     from job import layout, schema, storage
+    from job.builtin.tiny_model import ensure_tiny_model
     from job.config import HiddenStatesConfig, RunConfig
     from job.export import export
     from job.hidden_states import run_hidden_states
-    from job.tiny_model import ensure_tiny_model
-    import numpy as np
 
     model = ensure_tiny_model(os.path.join(os.path.dirname(__file__), "..", ".cache", "tiny-model"))
     rng = np.random.default_rng(3)

@@ -7,7 +7,7 @@ set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 [ -n "${SKIP_EXACTNESS:-}" ] || python3 bench/gpu_hybrid_exactness.py --out $OUT/exactness.json 2>&1 | grep -v "Warning\|warn" | tee $OUT/exactness.log | grep "^{"
 python3 - <<'PY'
-from job.demo import write_demo_prompts
+from job.builtin.demo import write_demo_prompts
 write_demo_prompts("/tmp/prompts", num_prompts=256)
 PY
 cat > /tmp/gpu.yaml <<'YAML'

@@ -202,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     redaction.install()  # everything this process prints or logs from here on passes job/redaction.py
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    from job.generate.engine import EngineStartError
     from job.generate import CanaryFailed
-    from job.hidden_states import HiddenStateCheckError
+    from job.generate.engine import EngineStartError
     from job.generate.inputs import InputError
+    from job.hidden_states import HiddenStateCheckError
     from job.runs import RunError
     from job.storage import StorageError
 
@@ -229,8 +229,7 @@ def _dispatch(args) -> int:
         raise ConfigError("--force was split in two: --allow-drift (resume although settings changed) and "
                           "--take-lock (take over a dead job's writer lock); changed input is never resumed")
     if args.command == "generate":
-        from job.generate import run_generate
-        from job.generate import print_summary
+        from job.generate import print_summary, run_generate
 
         config = _config(args)
         summary = run_generate(config, allow_drift=args.allow_drift, take_lock=args.take_lock,
@@ -266,7 +265,7 @@ def _dispatch(args) -> int:
     if args.command == "train-check":
         return _train_check(args)
     if args.command == "report":
-        from job.runview.report import build_report, format_report
+        from job.generate.report import build_report, format_report
 
         print(format_report(build_report(args.run, _storage(args))))
         return 0
@@ -284,13 +283,13 @@ def _dispatch(args) -> int:
               else format_plan(estimate, measured))
         return 0
     if args.command == "tiny-model":
-        from job.tiny_model import build_tiny_model
+        from job.builtin.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.output, architecture=args.architecture, train_steps=args.train_steps,
                                seed=args.seed))
         return 0
     if args.command == "demo":
-        from job.demo import run_demo
+        from job.builtin.demo import run_demo
 
         return run_demo(args.output)
     raise AssertionError(args.command)

@@ -37,7 +37,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from job import layout, storage
+from job import conditional, layout, storage
 from job.runs import RunError
 
 LOCK_HEARTBEAT_S = 30.0
@@ -116,7 +116,7 @@ class Fence:
     def _store(self):
         store = getattr(self, "_cached", None)
         if store is None:
-            store = storage.conditional_object(self.uri, self.storage_config)
+            store = conditional.conditional_object(self.uri, self.storage_config)
             object.__setattr__(self, "_cached", store)
         return store
 
@@ -168,7 +168,7 @@ class WriterLock:
     def __init__(self, config, stage: str, take_over: bool = False):
         uri = storage.join(config.output, layout.lock_name(stage))
         self.uri, self.storage_config = uri, config.storage
-        self.store = storage.conditional_object(uri, config.storage)
+        self.store = conditional.conditional_object(uri, config.storage)
         self.stage = stage
         self.take_over = take_over
         self.holder = host_identity()
@@ -196,7 +196,7 @@ class WriterLock:
             try:
                 self.etag = self.store.create(self._body())
                 break
-            except storage.Conflict:
+            except conditional.Conflict:
                 pass
             try:
                 held, etag, age = self.store.read()
@@ -213,7 +213,7 @@ class WriterLock:
                 self.etag = self.store.replace(self._body(), etag)
                 took_live = not free
                 break
-            except storage.Conflict:
+            except conditional.Conflict:
                 continue
         else:
             raise LockError("could not take this output's lock (it kept changing); is another job starting?")
@@ -231,7 +231,7 @@ class WriterLock:
         try:
             self.etag = self.store.replace(self._body(), self.etag)
             self._last_renewal = time.monotonic()
-        except storage.Conflict:
+        except conditional.Conflict:
             self.lost = "another job took over this stage's writer lock (--take-lock, or it judged ours stale)"
         except Exception:  # storage trouble: retried at the next beat, until the lease could have gone stale
             if time.monotonic() - self._last_renewal > LOCK_STALE_S - LOCK_HEARTBEAT_S:

@@ -28,6 +28,7 @@ from collections import deque
 from typing import Callable
 
 from job import schema
+from job.cluster import engine_census
 from job.formatting import format_duration as fmt_duration
 
 # Short names for the quality flags in the progress line.
@@ -68,7 +69,7 @@ class Progress:
         self.num_engines = num_engines
         self.max_engines = max_engines
         started_at = time.time()  # the stage's own engines, not an earlier stage's of this driver
-        self.engines_fn = engines_fn if engines_fn is not None else lambda: _engine_census(started_at)
+        self.engines_fn = engines_fn if engines_fn is not None else lambda: engine_census(started_at)
         self.started = time.monotonic()
         self.window_start: float | None = None  # when the first unit began work (engine start-up excluded)
         self.last_print = float("-inf")
@@ -239,12 +240,6 @@ class Progress:
                 self.stream.flush()
             elif self._dirty:  # the last units since the last line: the log ends on the final figures
                 self._emit(time.monotonic())
-
-
-def _engine_census(since_s: float):
-    from job.cluster import engine_census
-
-    return engine_census(since_s)
 
 
 class _Metrics:

@@ -17,9 +17,10 @@ import subprocess
 import time
 from importlib import metadata
 
-from job import layout, storage
-from job.redaction import redact
+from job import conditional, layout, storage
 from job.config import RunConfig, to_dict
+from job.redaction import redact
+
 
 class RunError(ValueError):
     """The run directory refuses this job (drift, a concurrent writer); the message says what to do."""
@@ -122,7 +123,7 @@ def write_run_json(config: RunConfig, stage_key: str, stage_info: dict, fence=No
     If-Match; locally under a flock), retried on a conflict. `fence` (the stage's job/lock.py Fence): the write
     happens only while this job still holds its stage's lock."""
     uri = run_json_uri(config.output)
-    store = storage.conditional_object(uri, config.storage)
+    store = conditional.conditional_object(uri, config.storage)
     provenance = {"config": to_dict(config), "versions": package_versions(), "git_sha": git_sha()}
     guard = fence.guard if fence is not None else contextlib.nullcontext
     for _ in range(20):
@@ -145,7 +146,7 @@ def write_run_json(config: RunConfig, stage_key: str, stage_info: dict, fence=No
                 else:
                     store.replace(body, etag)
             return
-        except storage.Conflict:  # the other stage wrote in between: read again and merge again
+        except conditional.Conflict:  # the other stage wrote in between: read again and merge again
             time.sleep(0.05)
     raise RunError(f"{uri}: could not update it (it kept changing under this job)")
 

@@ -218,6 +218,16 @@ class Stage2Markers:
     """Markers and parts of completion shards that no longer exist (moved aside, or re-cut into other units by a
     rerun): nothing counts them; stage 2 deletes them."""
 
+    def covered(self, shard_name: str, num_rows: int) -> tuple[int, int | None, dict | None]:
+        """THE answer to "how much of this completion shard has its hidden states", for every reader (stage 2's
+        plan, `status`, export, `load`, the notebook): (rows covered, the --limit of the widest matching marker or
+        None for a full one, that marker); (0, None, None) without one. A full marker wins over any --limit one."""
+        found = self.matching.get(shard_name)
+        if not found:
+            return 0, None, None
+        limit = None if None in found else max(found)
+        return (num_rows if limit is None else min(limit, num_rows)), limit, found[limit][1]
+
 
 def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str, ShardCheck],
                    storage_config: StorageConfig | None = None, num_threads: int = 32) -> Stage2Markers:
@@ -268,11 +278,9 @@ def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None =
     completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
     out = []
     for shard in shards:
-        found = markers.matching.get(shard.name)
-        if not found:
+        rows, limit, marker = markers.covered(shard.name, shard.stop - shard.start)
+        if marker is None:
             continue
-        limit = None if None in found else max(found)
-        marker = found[limit][1]
         stem = layout.hidden_state_stem(shard.uri, completions_dir)
         tag = stem if limit is None else f"{stem}-n{limit}"
         for j in range(int(marker.get("num_parts", 0))):

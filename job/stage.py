@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from job import lock, progress, runs, storage
+from job.cluster import engine_census, kill_stage_actors
 from job.config import RunConfig
 
 
@@ -182,8 +183,6 @@ def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Ca
 def _stop_failed_stage(started: float) -> None:
     import ray
 
-    from job.cluster import kill_stage_actors
-
     if ray.is_initialized():
         try:
             kill_stage_actors(started)
@@ -195,7 +194,6 @@ def let_actors_stop(since_s: float, timeout_s: float = 30.0) -> None:
     """After the last unit: wait until the stage's actors, which Ray Data lets go when its dataset is consumed, have
     exited, before the driver shuts Ray down or exits (which would kill them mid-exit and print their engines'
     shutdown errors). Measured: they are gone within milliseconds of the last unit; never longer than `timeout_s`."""
-    from job.cluster import engine_census
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -72,5 +72,5 @@ def facts(model: str) -> dict:
     return {"model": model, "architecture": (config.get("architectures") or ["?"])[0],
             "num_layers": text.get("num_hidden_layers"), "hidden_size": text.get("hidden_size"),
             "vocab_size": text.get("vocab_size"), "hybrid": is_hybrid(config),
-            # The project's own fixtures (job/tiny_model.py writes build_info.json): a tiny draft fits them.
+            # The project's own fixtures (job/builtin/tiny_model.py writes build_info.json): a tiny draft fits them.
             "tiny": os.path.exists(os.path.join(model, "build_info.json"))}

@@ -93,7 +93,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
-    from job.tiny_model import ensure_tiny_model
+    from job.builtin.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(str(REPO / ".cache" / "tiny-model"))
 
@@ -102,7 +102,7 @@ def tiny_model_dir() -> str:
 def tiny_hybrid_dir() -> str:
     """The target's architecture (Qwen3.5/3.6: Gated DeltaNet + gated attention, vision tower, MTP head) at tiny
     scale, built once per checkout (~1 min on 2 cores). Tests that use it are in the slow tier."""
-    from job.tiny_model import ensure_tiny_model
+    from job.builtin.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(str(REPO / ".cache" / "tiny-hybrid"), architecture="hybrid")
 
@@ -254,7 +254,7 @@ def write_prompts(directory: str | Path, rows: list[dict], num_files: int = 1, s
 
 
 def simple_prompts(n: int, prefix: str = "p") -> list[dict]:
-    from job.demo import demo_questions
+    from job.builtin.demo import demo_questions
 
     questions = demo_questions()
     return [{"id": f"{prefix}{i:04d}", "prompt": questions[i % len(questions)], "topic": f"t{i % 3}"}
@@ -372,9 +372,9 @@ def shared_run(tmp_path_factory, tiny_model_dir, s3_server) -> SharedRun:
     rows out, and no hang watchdog (`hang_timeout_s: 0`); a rerun that finds nothing to do; stage 2 on the same S3
     run (direct to moto). ~70 s here.
     Local copies are taken between the stages and at the end."""
+    from faulty_proxy import FaultyProxy
     from pyarrow import fs as pafs
 
-    from faulty_proxy import FaultyProxy
     from job import storage
     from job.config import load_config
     from job.generate import run_generate

@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-
 from conftest import ensure_local_ray
 
 from job import layout, schema, storage
@@ -410,7 +409,7 @@ def test_loss_on_every_assistant_turn_covers_the_history_s_answers(tiny_model_di
     0, the generated turn stays 1."""
     from transformers import AutoTokenizer
 
-    from job.export.samples import EVERY_ASSISTANT_TURN, chatml_markers, with_history_turns
+    from job.export.trainer_format import EVERY_ASSISTANT_TURN, chatml_markers, with_history_turns
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "two plus two"},

@@ -10,27 +10,25 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-
 from conftest import ensure_local_ray
 
 from job import layout, schema, storage
 from job.config import ConfigError, HiddenStatesConfig, RunConfig
+from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
 from job.hidden_states.checks import HiddenStateCheckError, check_features
 from job.hidden_states.samples import Sample, plan_parts
 from job.hidden_states.shards import iter_records
 from job.hidden_states.transformers_backend import TransformersExtractor, load_model
-from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
 from job.runs import RunError
-
 
 SHARDS = ((0, 8), (8, 20), (20, 26))  # stage-1 shard row ranges
 MAX_LENGTH = 128
@@ -320,8 +318,8 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
                                                                               capsys):
     """Stage 1 still running (its run.json says so, one shard not yet written): stage 2 does the committed shards,
     says that it is partial (not "complete"), and a later rerun does only the shard added since."""
-    from job.runview import status
     from job.runs import read_run_json
+    from job.runview import status
 
     run = str(tmp_path)
     rows = completion_rows(vocab_size, seed=3)
@@ -486,8 +484,8 @@ def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hyb
     run on from one sequence into the next (measured here: 4-24 % relative error on CPU in float32). With the
     per-sequence mixers taken away, the worker's self-check must refuse to start and name a layer and a sample."""
     from job.config import to_dict
-    from job.hidden_states.transformers_backend import TransformersExtractor as Extractor
     from job.hidden_states.actor import HiddenStateExtractor
+    from job.hidden_states.transformers_backend import TransformersExtractor as Extractor
 
     write_completions(str(tmp_path), completion_rows(vocab_size, seed=6))
     config = hs_config(tiny_hybrid_dir, str(tmp_path), attention="packed")
@@ -520,8 +518,8 @@ def test_attention_mode_is_chosen_only_where_exact(dense_dir):
 def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run, model_dir, tmp_path):
     import shutil
 
-    from job.hidden_states.shards import part_table, table_to_ipc
     from job.hidden_states import check_run
+    from job.hidden_states.shards import part_table, table_to_ipc
 
     run, _, _ = float32_run
     result = check_run(hs_config(model_dir, run), num_samples=3)
@@ -552,7 +550,7 @@ def test_vllm_backend_prefetch_keeps_order_raises_in_place_and_drops_what_nobody
     handed to on_drop (their /dev/shm files deleted) instead of leaking."""
     import threading
 
-    from job.hidden_states.vllm_backend import _ahead
+    from job.hidden_states.vllm_backend import ahead
 
     made, dropped, gate = [], [], threading.Semaphore(0)
 
@@ -562,9 +560,9 @@ def test_vllm_backend_prefetch_keeps_order_raises_in_place_and_drops_what_nobody
             raise ValueError("part 3 is bad")
         return i * 10
 
-    assert list(_ahead(fn, [0, 1, 2], 0)) == [0, 10, 20]
+    assert list(ahead(fn, [0, 1, 2], 0)) == [0, 10, 20]
     made.clear()
-    it = _ahead(fn, list(range(6)), 1, on_drop=dropped.append)
+    it = ahead(fn, list(range(6)), 1, on_drop=dropped.append)
     assert [next(it), next(it), next(it)] == [0, 10, 20]
     with pytest.raises(ValueError, match="part 3 is bad"):
         next(it)
@@ -578,7 +576,7 @@ def test_vllm_backend_prefetch_keeps_order_raises_in_place_and_drops_what_nobody
         gate.release()
         return i
 
-    it = _ahead(slow, list(range(10)), 2, on_drop=dropped.append)
+    it = ahead(slow, list(range(10)), 2, on_drop=dropped.append)
     assert next(it) == 0
     for _ in range(4):  # item 0, two ahead in the queue (depth 2), and item 3 made and waiting for room
         assert gate.acquire(timeout=10)

@@ -23,11 +23,10 @@ import pytest
 import torch
 from conftest import BAD_ROWS, BEYOND_LIMIT, NUM_PLAIN, REPO, check_completions, read_run
 
-from job import cli, layout
+from job import cli, layout, scan, schema, storage
+from job.generate import report
 from job.runview import hidden as jh
 from job.runview import notebook as ji
-from job import scan, schema, storage
-from job.runview import report
 
 NOTEBOOK = REPO / "notebooks" / "inspect_outputs.ipynb"
 NUM_ROWS = NUM_PLAIN + 1 + len(BAD_ROWS)  # the rows the shared run covers: plain prompts, a chat, the bad rows
@@ -111,7 +110,6 @@ def test_no_secret_of_the_shared_run_is_in_rays_session_the_run_or_its_output(sh
     token in clear text) and shows them in the dashboard: secrets go to the actors at construction instead. Every
     file of this Ray session, both copies of the run directory and everything the job printed: zero hits."""
     import ray
-
     from conftest import files_holding, secret_values
 
     needles = secret_values(shared_run.secrets)
@@ -133,8 +131,8 @@ def test_a_secret_reaches_the_actor_process_without_ray_recording_it(local_ray):
     import secrets as rnd
 
     import ray
-
     from conftest import files_holding
+
     from job import redaction
 
     token = f"hf_{rnd.token_hex(20)}"
@@ -388,7 +386,7 @@ def test_hidden_state_summary(run_dir, rows, table):
     assert (summary["traces"][0]["loss_mask"] == first["loss_mask"].numpy()).all()
 
     text = jh.format_hidden_summary(summary)
-    assert "checks: all passed" in text and f"[num_tokens, 3, {layout['hidden_size']}] bfloat16" in text
+    assert "checks: all passed" in text and f"[num_tokens, 4, {layout['hidden_size']}] bfloat16" in text
     assert jh.check_token_alignment(run_dir, rows) == []
     fig = jh.plot_layer_norms(summary)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "1", "3"]

@@ -116,7 +116,7 @@ def _stop_head(proc: subprocess.Popen) -> None:
 @pytest.mark.slow  # `ray job submit`: a head of its own, the job's runtime env, an engine start (~2 min)
 @pytest.mark.own_ray
 def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
-    from job.demo import write_demo_prompts
+    from job.builtin.demo import write_demo_prompts
 
     address, metrics_url, env, temp_dir = ray_head
     prompts = write_demo_prompts(str(tmp_path / "prompts"), num_prompts=32, num_shards=2)

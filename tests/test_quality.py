@@ -9,10 +9,9 @@ import pytest
 from conftest import simple_prompts, write_prompts
 
 from job import schema
-from job.generate import quality
 from job.config import QualityConfig
-from job.generate import CanaryFailed, run_generate
-from job.runview.report import build_report, format_report
+from job.generate import CanaryFailed, quality, run_generate
+from job.generate.report import build_report, format_report
 
 CFG = QualityConfig(min_content_tokens=5, repetition_ngram=3, repetition_tail_tokens=60,
                     repetition_min_coverage=0.5)

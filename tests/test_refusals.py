@@ -168,7 +168,7 @@ def test_an_engine_that_cannot_start_ends_the_run_once_with_vllms_own_reason(tmp
 
     from vllm import EngineArgs
 
-    from job.generate.engine import _why_engine_failed
+    from job.generate.engine import why_engine_failed
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_dir, broken)
@@ -177,7 +177,7 @@ def test_an_engine_that_cannot_start_ends_the_run_once_with_vllms_own_reason(tmp
     with pytest.raises(Exception) as e:
         EngineArgs(model=str(broken), dtype="bfloat16", max_model_len=1024).create_engine_config()
     assert "validation error" in str(e.value).splitlines()[0]  # all that the first line says
-    assert _why_engine_failed(str(broken), e.value).startswith("Value error, Unterminated string"), e.value
+    assert why_engine_failed(str(broken), e.value).startswith("Value error, Unterminated string"), e.value
 
 
 def test_uint64_ids_above_2_63_are_validated(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from job.tiny_model import build_tiny_model, ensure_tiny_model
+from job.builtin.tiny_model import build_tiny_model, ensure_tiny_model
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 NUM_SAMPLES = 32
@@ -98,7 +98,7 @@ def test_tokenizer_special_tokens(tokenizer):
 
 
 def test_chat_template_renders_the_thinking_prompt(tiny_model_dir, tokenizer):
-    shipped = (Path(__file__).resolve().parents[1] / "job" / "data" / "chat_template.jinja").read_text()
+    shipped = (Path(__file__).resolve().parents[1] / "job" / "fixtures" / "data" / "chat_template.jinja").read_text()
     assert tokenizer.chat_template == shipped
     assert (Path(tiny_model_dir) / "chat_template.jinja").read_text() == shipped
 
@@ -207,7 +207,7 @@ def vllm_samples(tiny_model_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; must be set before the engine starts
     from vllm import LLM
 
-    from job.demo import demo_questions
+    from job.builtin.demo import demo_questions
 
     llm = LLM(model=tiny_model_dir, max_model_len=1024, enforce_eager=True)
     params = llm.get_default_sampling_params()  # no per-request seed: it kills the CPU engine

@@ -35,13 +35,14 @@ norm (its trainer feeds it to the target's LM head): the default. An export whos
 Every export writes `export.json` (conventions, layer ids in the trainer's terms, counts, dropped by reason),
 `samples.jsonl` (trainer index → our id) and `dropped.jsonl` (id, reason) beside the trainer's files.
 
-Modules: samples.py (layer plan, one sample's tensors, drops, vocabulary statistics, the bookkeeping files),
+Modules: trainer_format.py (layer plan, one sample's tensors, drops, vocabulary statistics, the bookkeeping files),
 files.py (`export`: the trainers' files), conversations.py (SpecForge's conversations JSONL), stream.py (`stream`).
 """
 
 from job.export.conversations import export_conversations
 from job.export.files import export
-from job.export.samples import TARGETS, ExportError, Plan, make_plan
-from job.export.stream import collate, stream
+from job.export.stream import stream
+from job.export.trainer_format import TARGETS, ExportError, Plan, make_plan
+from job.hidden_states import collate  # one collate for both streams
 
 __all__ = ["export", "export_conversations", "stream", "collate", "make_plan", "Plan", "ExportError", "TARGETS"]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-
-from job import layout, scan, schema, storage
-from job.export.samples import ExportError, finish_export, write_lines
-
+from job import layout, runs, scan, schema, storage
+from job.export.trainer_format import ExportError, finish_export
+from job.generate.prompts import RowError, history_of_turn, row_messages
 
 # ---------------------------------------------------------------------------------------------------------------
 # Completions → SpecForge training conversations
@@ -89,7 +88,6 @@ def conversation_row(row: dict, thinking: bool) -> tuple[dict | None, str | None
     regenerate_train_data.py writes: the prompt's messages, then the regenerated assistant turn with its reasoning in
     `reasoning_content` (the Qwen3.5/3.6 template renders it inside <think>...</think>; `content` holds the answer
     alone)."""
-    from job.generate.prompts import RowError, history_of_turn, row_messages
 
     if row.get(schema.ERROR) is not None:
         return None, f"stage-1 error: {row[schema.ERROR]}"
@@ -113,7 +111,6 @@ def conversation_row(row: dict, thinking: bool) -> tuple[dict | None, str | None
 def export_conversations(run: str, *, output: str, storage_config: storage.StorageConfig | None = None) -> dict:
     """Every completion row of the run either becomes one line of `output/conversations.jsonl` or one line of
     `output/dropped.jsonl` with the reason; `export.json` counts both and checks they add up to the input."""
-    from job import runs
 
     uris = scan.completion_shards(run, storage_config)
     if not uris:
@@ -134,7 +131,7 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
                 kept.append(row[schema.ID])
                 yield json.dumps(out, ensure_ascii=False)
 
-    write_lines(storage.join(output, "conversations.jsonl"), lines(), storage_config)
+    storage.write_lines(storage.join(output, "conversations.jsonl"), lines(), storage_config)
     assert len(kept) + len(dropped) == num_rows, (len(kept), len(dropped), num_rows)
     summary = finish_export(run, output, "specforge", "conversations", kept, dropped, storage_config,
                       {"num_input_rows": num_rows, "thinking": thinking,

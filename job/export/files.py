@@ -16,10 +16,20 @@ from job.export.conversations import export_conversations
 from job.export.manifest import draft_config as checked_draft_config
 from job.export.manifest import manifest_fields
 from job.export.norm import with_final_norm
-from job.export.samples import (FILE_GROUP_SIZE, SHARDS_PER_ARROW_FILE, SPECFORGE_DEFAULT_DRAFT_VOCAB, TRAINER_FILE,
-                                ExportError, count_tokens, drop_reason, finish_export, make_plan,
-                                specforge_vocab_mapping, trainer_sample)
-
+from job.export.trainer_format import (
+    FILE_GROUP_SIZE,
+    SHARDS_PER_ARROW_FILE,
+    SPECFORGE_DEFAULT_DRAFT_VOCAB,
+    TRAINER_FILE,
+    ExportError,
+    count_tokens,
+    drop_reason,
+    finish_export,
+    make_plan,
+    specforge_vocab_mapping,
+    trainer_sample,
+)
+from job.hidden_states.shards import BackgroundWriter, iter_records
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing
@@ -97,7 +107,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     they must agree (one run, one way of extracting)."""
     seen = None
     for uri in shard_uris[:1] + shard_uris[-1:]:
-        meta = _shard_schema(uri, storage_config).metadata
+        meta = storage.read_shard_schema(uri, storage_config).metadata
         layout = (json.loads(meta[schema.META_LAYER_IDS]), meta.get(schema.META_NUM_MODEL_LAYERS),
                   meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
                   meta[schema.META_MODEL].decode(), meta[schema.META_DTYPE].decode())
@@ -111,20 +121,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model, dtype
 
 
-def _shard_schema(uri: str, storage_config) -> pa.Schema:
-    """A shard's schema from its footer alone (a shard holds gigabytes of features)."""
-    fs, path = storage.resolve(uri, storage_config)
-
-    def read():
-        with fs.open_input_file(path) as f:
-            return pa.ipc.open_file(f).schema
-
-    return storage.with_retries(read, what=f"read {uri}", storage=storage_config)
-
-
 def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
-    from job.hidden_states.shards import iter_records
-
     for uri in shard_uris:
         yield from iter_records(storage.read_shard(uri, storage_config, memory_map=not storage.is_s3(uri)))
 
@@ -163,8 +160,6 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
         plan.notes.update(draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size)
     fields = manifest_fields(plan, dtype)
     fields["draft_config"] = checked_draft_config(plan, fields, draft_config)  # before anything is written
-
-    from job.hidden_states.shards import BackgroundWriter
 
     written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end
     writer = BackgroundWriter(max_pending=8)

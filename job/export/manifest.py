@@ -10,7 +10,8 @@ The draft configs themselves are the trainers' business: job/trainers/specforge.
 from __future__ import annotations
 
 from job import target
-from job.export.samples import ExportError, Plan
+from job.export.trainer_format import ExportError, Plan
+from job.trainers import specforge, speculators
 
 
 def manifest_fields(plan: Plan, dtype: str) -> dict:
@@ -32,11 +33,7 @@ def manifest_fields(plan: Plan, dtype: str) -> dict:
 
 
 def _trainer(to: str):
-    if to == "specforge":
-        from job.trainers import specforge as module
-    else:
-        from job.trainers import speculators as module
-    return module
+    return {"specforge": specforge, "speculators": speculators}[to]
 
 
 def draft_config(plan: Plan, fields: dict, given: dict | None) -> dict:

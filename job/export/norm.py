@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 
-from job.export.samples import ExportError, Plan
+from job.export.trainer_format import ExportError, Plan
+from job.hidden_states.packing import decoder_stack
+from job.hidden_states.shards import torch_dtype
 
 
 def _checkpoint_tensor(model_dir: str, keys: list[str]):
@@ -50,9 +52,6 @@ def load_final_norm(model_dir: str, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from job.hidden_states.packing import decoder_stack
-    from job.hidden_states.shards import _torch_dtype
-
     if not os.path.isdir(model_dir):
         raise ExportError(f"export: the run's target model {model_dir!r} is not a local directory; the export needs "
                           "its config and final norm weight (copy the model there, or pass the run's model path)")
@@ -64,7 +63,7 @@ def load_final_norm(model_dir: str, dtype: str):
     # The checkpoint's key is the module's name, or (Qwen3.5 saved as a ForConditionalGeneration with the text model
     # under language_model) one of the two usual spellings.
     weight = _checkpoint_tensor(model_dir, [f"{name}.weight", "model.norm.weight", "model.language_model.norm.weight"])
-    norm = norm.to_empty(device="cpu").to(_torch_dtype(dtype))
+    norm = norm.to_empty(device="cpu").to(torch_dtype(dtype))
     with torch.no_grad():
-        norm.weight.copy_(weight.to(_torch_dtype(dtype)))
+        norm.weight.copy_(weight.to(torch_dtype(dtype)))
     return norm.eval()

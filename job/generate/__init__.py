@@ -9,8 +9,10 @@ Modules, in the order a row meets them:
     prompts.py      input rows → chat messages → the model's chat template → token ids
     engine.py       the Ray Data actor: one vLLM engine per GPU (or tensor-parallel group), one unit per call
     quality.py      per-row quality flags and the canary's verdict
+    report.py       the run report (quality flag rates, lengths, finish reasons, errors), stored when stage 1 ends
 """
 
-from job.generate.run import CanaryFailed, GenerateSummary, print_summary, run_generate
+from job.generate.report import print_summary
+from job.generate.run import CanaryFailed, GenerateSummary, run_generate
 
 __all__ = ["run_generate", "GenerateSummary", "CanaryFailed", "print_summary"]

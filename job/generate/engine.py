@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from job import layout, redaction, schema, storage, target
+from job.cluster import model_missing_here
 from job.config import RunConfig, from_dict
 from job.generate import inputs, prompts, quality
 
@@ -111,7 +112,7 @@ def reason_logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> st
     return found
 
 
-def _why_engine_failed(model_path: str, error: BaseException, logged: str | None = None) -> str:
+def why_engine_failed(model_path: str, error: BaseException, logged: str | None = None) -> str:
     """The most useful line about a failed engine start. vLLM reports a model class it cannot import only as
     "architectures ... failed to be inspected" (the import error goes to the log): import it again to say why."""
     architectures = target.config_json(model_path).get("architectures") or []
@@ -211,8 +212,6 @@ class CompletionGenerator:
                  fence=None):
         import ray
 
-        from job.cluster import model_missing_here
-
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
         # this process only; and everything this actor prints redacted.
         redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
@@ -309,7 +308,7 @@ class CompletionGenerator:
                 "limit if starts are just slow.") from None
         except Exception as e:  # the config, the model files or the install: the same on every retry
             raise EngineStartError(f"vLLM could not start an engine for model {self.config.model}: "
-                                   f"{_why_engine_failed(self.config.model, e, reason_logged_since(log_from))}"
+                                   f"{why_engine_failed(self.config.model, e, reason_logged_since(log_from))}"
                                    ) from None
 
     # -----------------------------------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import layout, progress, redaction, runs, scan, stage, storage
-from job.runview.report import build_report, format_report
-from job.config import ConfigError, RunConfig
+from job import cluster, layout, progress, redaction, runs, scan, stage, storage
+from job.config import ConfigError, RunConfig, to_dict
 from job.generate import inputs, quality
+from job.generate.engine import CompletionGenerator, EngineStartError, resolved_sampling, text_only_engine_kwargs
+from job.generate.report import write_report
+from job.lock import FencedOut
 
 log = logging.getLogger("job.generate")
 
@@ -123,8 +125,6 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         raise ConfigError("no input: pass --input (a folder, file or s3:// prefix of prompts: parquet, JSONL or "
                           "Arrow / datasets.save_to_disk)")
     check_model(config)
-    from job import cluster
-    from job.generate.engine import resolved_sampling, text_only_engine_kwargs  # vLLM is imported in the actors
 
     engine_kwargs, note = text_only_engine_kwargs(config.model, config.engine_kwargs)
     if note:
@@ -241,9 +241,6 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
              engines: tuple[int, int], fence) -> stage.ActorStage:
     import ray
 
-    from job.config import to_dict
-    from job.generate.engine import CompletionGenerator
-
     return stage.ActorStage(
         CompletionGenerator,
         {"config": to_dict(config), "carried_schema_bytes": carried.serialize().to_pybytes(),
@@ -291,44 +288,4 @@ class _Consumer:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from job.generate.engine import EngineStartError
-
-    from job.lock import FencedOut
-
     return (storage.StorageError, inputs.InputError, EngineStartError, FencedOut)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The report and the closing lines
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None) -> dict:
-    """Stage 1's report (job/runview/report.py builds it from the shards) stored at reports/generate.json under the
-    writer lock's fence, as stage 2 stores its own."""
-    report = build_report(run_uri, storage_config)
-    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
-                       guard)
-    return report
-
-
-def print_summary(config, summary: GenerateSummary) -> None:
-    """What `python -m job generate` and `make demo` print when stage 1 ends."""
-    if summary.already_complete:
-        print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
-        return
-    try:
-        report = build_report(config.output, config.storage)
-    except storage.StorageError as e:
-        print(f"\n(report unavailable right now: {e})")
-        report = None
-    if report:
-        print()
-        print(format_report(report))
-    print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
-          f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
-    print(f"shards:  {storage.join(config.output, layout.COMPLETIONS_DIR)}/*.arrow  (report: "
-          f"{storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)})")
-    print(f"look at them: make notebook RUN_DIR={config.output}, or "
-          f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
-          "format='arrow')")

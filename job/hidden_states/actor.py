@@ -14,13 +14,22 @@ import numpy as np
 import pyarrow as pa
 
 from job import layout, redaction, schema, storage
-from job.config import ConfigError
-from job.hidden_states.checks import (FeatureStats, compare, pick_samples, reference_features, split_features,
-                                      tolerance_for, verdict)
-from job.hidden_states.samples import plan_parts, samples_from_completions
+from job.cluster import model_missing_here
+from job.config import ConfigError, from_dict
+from job.hidden_states.checks import (
+    FeatureStats,
+    compare,
+    pick_samples,
+    reference_features,
+    split_features,
+    tolerance_for,
+    verdict,
+)
+from job.hidden_states.samples import RunStats, plan_parts, samples_from_completions
 from job.hidden_states.shards import BackgroundWriter, part_table, table_to_ipc
+from job.hidden_states.transformers_backend import TransformersExtractor, load_model
+from job.hidden_states.vllm_backend import VllmExtractor
 from job.layout import HiddenStateUnit
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The Ray Data stage: one actor per GPU, one unit per call
@@ -40,10 +49,6 @@ class HiddenStateExtractor:
         redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
         import torch
 
-        from job.cluster import model_missing_here
-        from job.config import from_dict
-        from job.hidden_states.transformers_backend import TransformersExtractor, load_model
-
         self.config = from_dict(config)
         missing = model_missing_here(self.config.model)
         if missing:
@@ -57,7 +62,6 @@ class HiddenStateExtractor:
             reason = vllm_unavailable_reason()
             if reason:
                 raise ConfigError(reason)
-            from job.hidden_states.vllm_backend import VllmExtractor
 
             if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
                 model = load_model(self.config.model, dtype=hs.dtype)
@@ -98,8 +102,6 @@ class HiddenStateExtractor:
     def _self_check(self, samples: list, reference: list) -> dict:
         """The check samples through this worker's batched path together, against `reference` (each alone through
         a plain transformers forward). Raises HiddenStateCheckError beyond the tolerance; else a summary."""
-        from job.hidden_states.checks import FeatureStats
-        from job.hidden_states.samples import RunStats
 
         ex, hs = self.extractor, self.config.hidden_states
         (part,) = list(ex.run([(0, samples)], pooled=False))
@@ -203,12 +205,12 @@ class HiddenStateExtractor:
                 pos += n
             yield {
                 schema.ID: np.array([s.id for s in part.samples], dtype=object),
-                schema.INPUT_IDS: _ragged(input_ids),
-                schema.LOSS_MASK: _ragged(loss_mask),
+                schema.INPUT_IDS: ragged(input_ids),
+                schema.LOSS_MASK: ragged(loss_mask),
                 schema.NUM_TOKENS: np.array([s.num_tokens for s in part.samples], dtype=np.int32),
                 schema.ORIGINAL_NUM_TOKENS: np.array([s.original_num_tokens for s in part.samples], dtype=np.int32),
                 schema.CLIPPED: np.array([s.clipped for s in part.samples]),
-                schema.HIDDEN_STATES: _ragged(hidden),
+                schema.HIDDEN_STATES: ragged(hidden),
             }
 
 
@@ -216,17 +218,23 @@ class HiddenStateExtractor:
 STREAM_DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 
 
+# Per-sample columns of the streams: ours (`dataset`) and the trainers' layouts (job/export/stream.py). No token column
+# is uint16, so a uint16 array in one of them is bfloat16 features.
+PER_SAMPLE_COLUMNS = (schema.INPUT_IDS, schema.LOSS_MASK, schema.HIDDEN_STATES, "token_ids", "hidden_state",
+                      "aux_hidden_state")
+
+
 def collate(batch: dict) -> dict:
-    """`collate_fn` for `iter_torch_batches` over `dataset(config)`, any batch size: samples differ in length,
-    so each column becomes a list with one tensor per sample (`hidden_states` as torch.bfloat16 again), `id`
-    a list of str, the scalar columns tensors."""
+    """`collate_fn` for `iter_torch_batches` over `dataset(config)` or `job.export.stream(...)`, any batch size:
+    samples differ in length, so each per-sample column becomes a list with one tensor per sample (features as
+    torch.bfloat16 again), `id` a list of str, the scalar columns tensors."""
     import torch
 
     out = {}
     for name, column in batch.items():
         if name == schema.ID:
             out[name] = [str(x) for x in column]
-        elif name in (schema.INPUT_IDS, schema.LOSS_MASK, schema.HIDDEN_STATES):
+        elif name in PER_SAMPLE_COLUMNS:
             tensors = [torch.from_numpy(np.ascontiguousarray(x)) for x in column]
             out[name] = [t.view(torch.bfloat16) if t.dtype == torch.uint16 else t for t in tensors]
         else:
@@ -234,7 +242,7 @@ def collate(batch: dict) -> dict:
     return out
 
 
-def _ragged(arrays: list[np.ndarray]) -> np.ndarray:
+def ragged(arrays: list[np.ndarray]) -> np.ndarray:
     """An object array of per-row ndarrays: Ray Data stores it as a variable-shaped tensor column."""
     out = np.empty(len(arrays), dtype=object)
     for i, a in enumerate(arrays):

@@ -9,6 +9,7 @@ import numpy as np
 
 from job.hidden_states.packing import decoder_stack
 from job.hidden_states.samples import Sample
+from job.hidden_states.shards import torch_dtype
 
 
 class HiddenStateCheckError(RuntimeError):
@@ -196,9 +197,7 @@ def split_features(samples: list[Sample], features: np.ndarray, num_layers: int,
     """A part's features (uint8, the samples' [n, L, H] blocks back to back) as one tensor per sample."""
     import torch
 
-    from job.hidden_states.shards import _torch_dtype
-
-    flat = torch.from_numpy(features).view(_torch_dtype(dtype))
+    flat = torch.from_numpy(features).view(torch_dtype(dtype))
     out, pos = [], 0
     for s in samples:
         n = s.num_tokens * num_layers * hidden

@@ -4,10 +4,6 @@ flash-linear-attention's varlen kernels)."""
 
 from __future__ import annotations
 
-
-
-
-
 PACKED_ATTENTION = "datagen_packed"
 
 
@@ -54,7 +50,7 @@ def packed_attention_available() -> bool:
         return False
 
 
-def _register_packed_attention() -> None:
+def register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -111,7 +107,7 @@ def slow_path_warnings(stack) -> list[str]:
 
 
 # The attributes of transformers' Qwen3.5/3.6 Gated DeltaNet layer (`Qwen3_5GatedDeltaNet`, transformers 5.17-5.19)
-# that `_varlen_gated_deltanet` computes with: its own forward's arithmetic, kernels told the sequence bounds.
+# that `varlen_gated_deltanet` computes with: its own forward's arithmetic, kernels told the sequence bounds.
 _GDN_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
                    "out_proj", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "activation")
 
@@ -133,7 +129,7 @@ def varlen_gdn_problem(stack) -> str | None:
     return None
 
 
-def _varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
+def varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
     """transformers' Qwen3_5GatedDeltaNet.forward (no cache) over a packed batch [1, tokens, hidden] in one pass:
     the causal conv1d and the chunked gated delta rule are flash-linear-attention's varlen kernels, given the
     sequence bounds, so each sequence's conv window and recurrent state start from zero at its first token, exactly

@@ -20,16 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from job import layout, progress, redaction, runs, scan, schema, stage, storage, target
-from job.formatting import format_bytes
-from job.config import ConfigError, RunConfig, resolve_layer_ids
+from job import cluster, layout, progress, redaction, runs, scan, schema, stage, storage, target
+from job.config import ConfigError, RunConfig, from_dict, resolve_layer_ids, to_dict
 from job.drafters import EVERY_TRAINER
 from job.drafters import describe as describe_layers
+from job.formatting import format_bytes
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
 from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
+from job.hidden_states.samples import Sample
 from job.hidden_states.shards import iter_records
+from job.hidden_states.transformers_backend import load_model
 from job.layout import HiddenStateUnit
-
 
 STAGE = "hidden_states"
 
@@ -78,7 +79,14 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
     for unit, shard in zip(units, shards):  # units are the first shards, in order
         unit.stale = markers.stale.get(shard.name, [])
         unit.existing = [name for name, _, _ in markers.files if unit.owns(name) and name not in unit.stale]
-        _take_covering_marker(unit, shard.stop - shard.start)
+        if unit.row_limit is not None:
+            # A --limit unit whose shard is done further (its full marker, or one of a larger limit) is that done
+            # unit: a small --limit rerun of a finished stage 2 keeps what is committed instead of deleting it.
+            full = shard.stop - shard.start
+            rows, limit, marker = markers.covered(shard.name, full)
+            if marker is not None and rows >= unit.row_limit:
+                unit.row_limit = None if limit is None or limit >= full else limit
+                unit.num_rows = full if unit.row_limit is None else limit
     return units
 
 
@@ -110,23 +118,6 @@ def _forget_stale(config: RunConfig, units: list[HiddenStateUnit], orphans: list
             storage.delete(storage.join(_out_dir(config), name), config.storage)
     for unit in changed:
         unit.stale = []
-
-
-def _take_covering_marker(unit: HiddenStateUnit, full: int) -> None:
-    """A `--limit` unit whose shard is already done further (its full marker, or one of a larger limit) is that
-    done unit: a small `--limit` rerun of a finished stage 2 keeps what is committed instead of deleting it."""
-    if unit.row_limit is None:
-        return
-    covering: list[tuple[float, int | None]] = []
-    for name in unit.existing:
-        parsed = layout.parse_marker_name(name)
-        if parsed and parsed[0] == unit.stem:
-            covering.append((float("inf"), None) if parsed[1] is None else (parsed[1], parsed[1]))
-    if covering:
-        rows, limit = max(covering, key=lambda c: c[0])
-        if rows >= unit.row_limit:
-            unit.row_limit = None if limit is None or limit >= full else limit
-            unit.num_rows = full if unit.row_limit is None else limit
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,8 +169,6 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None):
     import ray
 
-    from job.config import to_dict
-
     stage.ensure_ray(config)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if config.hidden_states.backend == "vllm" and not gpus:
@@ -207,7 +196,6 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     Returns a summary (rows, tokens, tokens/s, bytes written, shard URIs, report path); the same goes to
     `<output>/reports/hidden_states.json`.
     """
-    from job import cluster
 
     started = time.monotonic()
     hs = config.hidden_states
@@ -354,8 +342,6 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     the summary. Runs on a GPU worker when the cluster has one (the driver of a cluster job usually has none)."""
     import ray
 
-    from job.config import to_dict
-
     uris = storage.list_files(_out_dir(config), layout.SHARD_SUFFIX, config.storage)
     if not uris:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
@@ -381,10 +367,6 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
 def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     """The first sample of each shard in `uris`: stored features against a plain forward of the sample alone."""
     import torch
-
-    from job.config import from_dict
-    from job.hidden_states.samples import Sample
-    from job.hidden_states.transformers_backend import load_model
 
     redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])  # as the actors do
     config = from_dict(config_dict)

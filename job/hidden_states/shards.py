@@ -17,7 +17,6 @@ import pyarrow.ipc as ipc
 from job import scan, schema, storage
 from job.hidden_states.samples import Sample
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Arrow: the hidden-state shard schema, features → table → IPC bytes, and back (zero-copy)
 # ---------------------------------------------------------------------------------------------------------------
@@ -58,14 +57,14 @@ def table_to_ipc(table: pa.Table) -> pa.Buffer:
     return buf
 
 
-def _DTYPES() -> dict:
+def torch_dtypes() -> dict:
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _torch_dtype(name: str):
-    return _DTYPES()[name]
+def torch_dtype(name: str):
+    return torch_dtypes()[name]
 
 
 def iter_records(table: pa.Table) -> Iterator[dict]:
@@ -78,7 +77,7 @@ def iter_records(table: pa.Table) -> Iterator[dict]:
     layer_ids = json.loads(meta[schema.META_LAYER_IDS])
     dtype = meta[schema.META_DTYPE].decode()
     hidden = int(meta[schema.META_HIDDEN_SIZE])
-    tdtype = _torch_dtype(dtype)
+    tdtype = torch_dtype(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": a read-only mapping, documented above
         for batch in table.to_batches():

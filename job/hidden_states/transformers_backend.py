@@ -37,12 +37,19 @@ import numpy as np
 from job import schema
 from job.config import resolve_layer_ids
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.packing import (PACKABLE_LAYERS, PACKED_ATTENTION, _register_packed_attention,
-                                       _varlen_gated_deltanet, decoder_stack, packed_attention_available,
-                                       packing_problem, slow_path_warnings, varlen_gdn_problem)
-from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool, plan_batches
-from job.hidden_states.shards import _DTYPES, _torch_dtype
-
+from job.hidden_states.packing import (
+    PACKABLE_LAYERS,
+    PACKED_ATTENTION,
+    decoder_stack,
+    packed_attention_available,
+    packing_problem,
+    register_packed_attention,
+    slow_path_warnings,
+    varlen_gated_deltanet,
+    varlen_gdn_problem,
+)
+from job.hidden_states.samples import BufferPool, PartFeatures, RunStats, Sample, plan_batches
+from job.hidden_states.shards import torch_dtype, torch_dtypes
 
 # ---------------------------------------------------------------------------------------------------------------
 # The transformers backend
@@ -58,7 +65,7 @@ def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None)
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per actor adds nothing to a run's log
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # No device_map: that needs `accelerate`, which the CPU install does not have; .to() does the same here.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
 
@@ -78,7 +85,7 @@ class TransformersExtractor:
         sequence, see PACKABLE_LAYERS) or 'auto' (packed where torch has varlen attention, a GPU, and every
         sequence mixer of the model can be kept exact; else padded). `gdn`, for the Gated DeltaNet layers of a
         packed batch: 'varlen' (one flash-linear-attention call per layer over the whole batch, told the sequence
-        bounds: see _varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
+        bounds: see varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
         (varlen on a GPU with flash-linear-attention). `last_layer_before_norm`: the last layer is the final
         decoder layer's output before the final norm (vLLM's convention) instead of after it."""
         import torch
@@ -86,7 +93,7 @@ class TransformersExtractor:
         self.torch = torch
         self.stack = decoder_stack(model)
         # Features are stored in the dtype the model computes in (load_model's `dtype`).
-        dtype = {v: k for k, v in _DTYPES().items()}[self.stack.embed_tokens.weight.dtype]
+        dtype = {v: k for k, v in torch_dtypes().items()}[self.stack.embed_tokens.weight.dtype]
         num_layers = len(self.stack.layers)
         self.num_model_layers = num_layers
         self.layer_ids = resolve_layer_ids(layer_ids, num_layers)
@@ -117,7 +124,7 @@ class TransformersExtractor:
         self.gdn = gdn
         self._wrapped = []
         if self.packed:
-            _register_packed_attention()
+            register_packed_attention()
             for layer in self.stack.layers:
                 mixer = getattr(layer, PACKABLE_LAYERS["linear_attention"], None)
                 if mixer is not None:
@@ -126,7 +133,7 @@ class TransformersExtractor:
         self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
         self.stats = RunStats()
         self.feature_stats = FeatureStats(self.layer_ids, self.hidden_size)
-        self.pool = _BufferPool()
+        self.pool = BufferPool()
         self.warnings = slow_path_warnings(self.stack) if self.cuda else []
         for warning in self.warnings:
             warnings.warn(warning, stacklevel=2)
@@ -162,14 +169,14 @@ class TransformersExtractor:
         no mask, no packing arguments), so its conv and recurrent state start from zero at every sequence. The
         boundaries come from the host (`_segments`): reading them off a device tensor would stall the GPU at
         every such layer. Token-wise work around it (projections, MLPs, norms) stays packed. With `gdn` 'varlen'
-        the layer runs once over the whole batch, its kernels told the bounds (`_varlen_gated_deltanet`)."""
+        the layer runs once over the whole batch, its kernels told the bounds (`varlen_gated_deltanet`)."""
         torch = self.torch
 
         def per_sequence(hidden_states, *args, **kwargs):
             if self._segments is None:  # a forward this extractor did not start (e.g. a reference forward)
                 return forward(hidden_states, *args, **kwargs)
             if self.gdn == "varlen":
-                return _varlen_gated_deltanet(mixer, hidden_states, *self._cu_seqlens)
+                return varlen_gated_deltanet(mixer, hidden_states, *self._cu_seqlens)
             return torch.cat([forward(hidden_states[:, a:b]) for a, b in self._segments], dim=1)
 
         return per_sequence
@@ -218,7 +225,7 @@ class TransformersExtractor:
             padded_tokens = rows * longest
 
         L, H = len(self.layer_ids), self.hidden_size
-        self._out = torch.empty((total, L, H), dtype=_torch_dtype(self.dtype), device=self.device)
+        self._out = torch.empty((total, L, H), dtype=torch_dtype(self.dtype), device=self.device)
         self._gather = gather
         out = self._out
         implementation = config._attn_implementation

@@ -10,9 +10,9 @@ import numpy as np
 
 from job import schema, target
 from job.config import resolve_layer_ids
+from job.generate.engine import text_only_engine_kwargs
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.samples import PartFeatures, RunStats, Sample, _BufferPool
-
+from job.hidden_states.samples import BufferPool, PartFeatures, RunStats, Sample
 
 # ---------------------------------------------------------------------------------------------------------------
 # The vLLM backend (CUDA only)
@@ -52,11 +52,10 @@ class VllmExtractor:
         self.prefetch = prefetch  # parts the engine works on ahead of the read-back (0: in line)
         self.readers = ThreadPoolExecutor(8, thread_name_prefix="vllm-read-back")
         self.stats, self.feature_stats, self.pool = RunStats(), FeatureStats(self.layer_ids, self.hidden_size), \
-            _BufferPool()
+            BufferPool()
         args = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
                     max_model_len=max_length + 8, enable_chunked_prefill=False,
                     max_num_batched_tokens=max(16384, max_length + 8))
-        from job.generate.engine import text_only_engine_kwargs
 
         args.update(text_only_engine_kwargs(model, engine_kwargs or {})[0])  # text in: no vision tower
         self.llm = LLM(**args, speculative_config={
@@ -76,7 +75,9 @@ class VllmExtractor:
         import torch
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states, load_hidden_states)
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
 
         params = SamplingParams(max_tokens=1, detokenize=False)
 
@@ -88,7 +89,7 @@ class VllmExtractor:
             for out in outputs:
                 cleanup_hidden_states(out.kv_transfer_params["hidden_states_path"])
 
-        generated = _ahead(generate, [samples for _, samples in parts], self.prefetch, on_drop=drop)
+        generated = ahead(generate, [samples for _, samples in parts], self.prefetch, on_drop=drop)
         try:
             for index, samples in parts:
                 started = time.perf_counter()
@@ -130,7 +131,7 @@ class VllmExtractor:
             generated.close()
 
 
-def _ahead(fn, items: list, depth: int, on_drop=lambda result: None) -> Iterator:
+def ahead(fn, items: list, depth: int, on_drop=lambda result: None) -> Iterator:
     """fn(item) for each item in order, computed by one background thread up to `depth` items ahead of the
     consumer (depth 0: in line, no thread). An exception in fn is raised to the consumer at that item. Closing
     the iterator early stops the thread after the call it is in; results made but never taken go to on_drop."""

@@ -14,15 +14,14 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.ipc as ipc
 
 from job import scan, schema, storage, target
 from job.config import resolve_layer_ids
 from job.formatting import format_bytes
+from job.hidden_states import load
 from job.runview.notebook import fetch_rows, run_overview
 from job.schema import BYTES_PER_TOKEN_EXTRA, hidden_state_bytes_per_token
 from job.storage import StorageConfig
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Hidden states: shapes, norms, zero/NaN checks
@@ -38,13 +37,7 @@ def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = Non
     shards = hidden_state_shards(run_uri, storage_config)
     if not shards:
         return None
-    fs, path = storage.resolve(shards[0], storage_config)
-
-    def read_schema():
-        with fs.open_input_file(path) as f:
-            return ipc.open_file(f).schema
-
-    meta = storage.with_retries(read_schema, what=f"read {shards[0]}", storage=storage_config).metadata
+    meta = storage.read_shard_schema(shards[0], storage_config).metadata
     layer_ids = json.loads(meta[schema.META_LAYER_IDS])
     dtype, hidden = meta[schema.META_DTYPE].decode(), int(meta[schema.META_HIDDEN_SIZE])
     return {"model": meta[schema.META_MODEL].decode(), "layer_ids": layer_ids, "dtype": dtype, "hidden_size": hidden,
@@ -58,7 +51,6 @@ def summarize_hidden_states(run_uri: str, max_samples: int = 64, num_traces: int
     with the problems a trainer would choke on named: NaN/inf, all-zero token vectors, a loss mask that is not
     0…0 1…1, input_ids and features of different lengths. Keeps per-token norms of `num_traces` samples for
     `plot_layer_norms`. None when the run has no hidden-state shards."""
-    from job.hidden_states import load
 
     if not hidden_state_shards(run_uri, storage_config):
         return None
@@ -134,7 +126,6 @@ def check_token_alignment(run_uri: str, rows: pa.Table, max_samples: int = 8,
     """Stage 2 must run over exactly stage 1's token ids (never a re-applied template): compare the first
     samples' input_ids and loss masks with prompt_token_ids + output_token_ids of the same completion rows.
     Returns mismatches (empty: aligned)."""
-    from job.hidden_states import load
 
     records = []
     for i, rec in enumerate(load(run_uri, storage_config)):

@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 
 from job import layout, scan, schema, storage
-from job.runview.report import error_kind
+from job.generate import prompts
+from job.generate.report import error_kind
 from job.runs import read_run_json
 from job.storage import StorageConfig
 
@@ -351,7 +352,6 @@ def clip_text(text: str | None, max_chars: int) -> str:
 def _input_text(row: dict) -> str:
     if all(row.get(c) is None for c in schema.CONVERSATION_COLUMNS):
         return "(the input's prompt/messages columns were not carried into this shard)"
-    from job.generate import prompts
 
     try:  # messages, ShareGPT conversations (mapped) or a prompt; JSON text as JSONL inputs carry them
         messages = prompts.row_messages(row)

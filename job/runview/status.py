@@ -186,14 +186,10 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
     parts = [(n, size) for n, size, _ in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
     rows_done, used = 0, []
     for shard in shards:
-        found = markers.matching.get(shard.name, {})
-        if None in found:
-            rows_done += shard.num_rows
-            used.append(found[None][1])
-        elif found:
-            limit = max(found)
-            rows_done += min(limit, shard.num_rows)
-            used.append(found[limit][1])
+        rows, _, marker = markers.covered(shard.name, shard.num_rows)
+        if marker is not None:
+            rows_done += rows
+            used.append(marker)
     rows_written = sum(s.num_rows for s in shards)
     out = {
         "status": run.get("hidden_states", {}).get("status", "running" if files else "not started"),

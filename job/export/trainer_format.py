@@ -5,17 +5,13 @@ bookkeeping every export writes beside the trainer's files (samples.jsonl, dropp
 from __future__ import annotations
 
 import json
-import os
 import re
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
-
 
 from job import schema, storage
 from job.config import ConfigError
-
+from job.drafters import default_aux_layers
 
 TARGETS = {"specforge": ("dflash", "eagle3", "conversations"), "speculators": ("dflash", "eagle3")}
 LAST_TURN, EVERY_ASSISTANT_TURN = "last_turn", "every_assistant_turn"
@@ -121,7 +117,6 @@ def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: 
     layers to export, in our (= SpecForge's) convention, in the trainer's order; default: the trainer's own default
     layers for this target (job/drafters.py) when the run holds them all, else the run's layers but the last.
     Raises ExportError naming the fix."""
-    from job.drafters import default_aux_layers
 
     if to not in TARGETS or format not in TARGETS[to]:
         raise ExportError(f"export: --to {to} --format {format} is not a known pair "
@@ -293,30 +288,11 @@ def specforge_vocab_mapping(token_dict: Counter, draft_vocab_size: int, target_v
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def write_lines(uri: str, lines: Iterator[str], storage_config) -> int:
-    """Stream text lines to `uri` (local: a temp file renamed at the end; S3: a multipart upload completed on
-    close), so a large JSONL never sits in memory. Returns the number of lines."""
-    fs, path = storage.resolve(uri, storage_config)
-    local = not storage.is_s3(uri)
-    target = path
-    if local:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        target = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    n = 0
-    with fs.open_output_stream(target) as out:
-        for line in lines:
-            out.write(line.encode() + b"\n")
-            n += 1
-    if local:
-        os.replace(target, path)
-    return n
-
-
 def finish_export(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], storage_config,
             extra: dict) -> dict:
-    write_lines(storage.join(output, SAMPLES_JSONL),
+    storage.write_lines(storage.join(output, SAMPLES_JSONL),
                  (json.dumps({"index": i, "id": sid}) for i, sid in enumerate(kept)), storage_config)
-    write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
+    storage.write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
                  storage_config)
     summary = {"run": run, "output": output, "to": to, "format": format, "num_samples": len(kept),
                "num_dropped": len(dropped), "dropped_by_reason": dict(Counter(d["reason"] for d in dropped)), **extra}

@@ -12,6 +12,8 @@ from importlib import resources
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from job.builtin.tiny_model import ensure_tiny_model
+
 TINY_MODEL_DIR = ".cache/tiny-model"
 DEMO_PROMPTS_DIR = ".cache/demo-prompts"
 NUM_DEMO_PROMPTS = 384
@@ -24,13 +26,13 @@ _STYLES = ["{q}", "Answer briefly: {q}", "Think it through, then answer: {q}", "
 
 
 def demo_questions() -> list[str]:
-    text = resources.files("job").joinpath("data/corpus.txt").read_text()
+    text = resources.files("job.builtin").joinpath("data/corpus.txt").read_text()
     return [line[2:].strip() for line in text.splitlines() if line.startswith("Q:")]
 
 
 def demo_pairs() -> list[tuple[str, str]]:
     """(question, answer) pairs of the corpus the tiny model was trained on."""
-    lines = resources.files("job").joinpath("data/corpus.txt").read_text().splitlines()
+    lines = resources.files("job.builtin").joinpath("data/corpus.txt").read_text().splitlines()
     return [(q[2:].strip(), a[2:].strip()) for q, a in zip(lines, lines[1:]) if q.startswith("Q:") and a.startswith("A:")]
 
 
@@ -65,10 +67,9 @@ def write_demo_prompts(output_dir: str = DEMO_PROMPTS_DIR, num_prompts: int = NU
 
 
 def run_demo(output: str) -> int:
+    # heavy: keeps python -m job --help fast
     from job.config import DEFAULT_CONFIG, load_config
-    from job.generate import run_generate
-    from job.generate import print_summary
-    from job.tiny_model import ensure_tiny_model
+    from job.generate import print_summary, run_generate
 
     print(f"demo: tiny model in {TINY_MODEL_DIR} (built once, ~1-2 min)", flush=True)
     ensure_tiny_model(TINY_MODEL_DIR)

@@ -1,4 +1,5 @@
-"""Run report: counts and rates of every quality flag, length percentiles, finish reasons, error kinds.
+"""Stage 1's report: counts and rates of every quality flag, length percentiles, finish reasons, error kinds;
+stored at reports/generate.json when stage 1 ends (as stage 2 stores its own), printed by `python -m job report`.
 
 Built from the completion shards committed so far, so `python -m job report RUN` works on a finished run and on
 one still running. Reads only the small columns (no token lists, job/scan.py), so it stays cheap on a 1M-row run.
@@ -11,7 +12,7 @@ from collections import Counter
 
 import numpy as np
 
-from job import layout, scan, schema
+from job import layout, scan, schema, storage
 from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
@@ -89,3 +90,39 @@ def format_report(report: dict) -> str:
         lines.append(scan.unreadable_line(report["unreadable_shards"], "not counted here; the next `generate` on "
                                           "this output moves them aside to quarantine/ and generates their rows again"))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report and the closing lines
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None) -> dict:
+    """Stage 1's report (`build_report`, from the shards) stored at reports/generate.json under the
+    writer lock's fence, as stage 2 stores its own."""
+    report = build_report(run_uri, storage_config)
+    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
+                       guard)
+    return report
+
+
+def print_summary(config, summary) -> None:
+    """What `python -m job generate` and `make demo` print when stage 1 ends."""
+    if summary.already_complete:
+        print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
+        return
+    try:
+        report = build_report(config.output, config.storage)
+    except storage.StorageError as e:
+        print(f"\n(report unavailable right now: {e})")
+        report = None
+    if report:
+        print()
+        print(format_report(report))
+    print(f"\nthis job: {summary.num_rows:,} rows, {summary.num_output_tokens:,} output tokens in "
+          f"{summary.seconds:.0f} s ({summary.output_tokens_per_s:,.0f} output tokens/s over the generation window)")
+    print(f"shards:  {storage.join(config.output, layout.COMPLETIONS_DIR)}/*.arrow  (report: "
+          f"{storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)})")
+    print(f"look at them: make notebook RUN_DIR={config.output}, or "
+          f"`python -m job report {config.output}`, or pyarrow.dataset.dataset('{config.output}/completions', "
+          "format='arrow')")
