@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def _storage_flags() -> argparse.ArgumentParser:
 
 
 def _storage(args):
-    from job.storage import StorageConfig
+    from job.storage import StorageConfig  # per command: --help stays fast
 
     return StorageConfig(endpoint_url=args.endpoint_url, region=args.region)
 
@@ -61,7 +62,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from job.runview import plan, status
+    from job.runview import plan, status  # per command: --help stays fast
 
     parser = argparse.ArgumentParser(prog="python -m job", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,7 +186,6 @@ def _read_json_file(path: str, flag: str) -> dict:
 
 def _train_check(args) -> int:
     """The check runs in the trainers' environment (their pins do not fit the job's): a child process."""
-    import subprocess
 
     if not os.path.exists(args.python):
         raise ConfigError(f"train-check: {args.python} does not exist: run `make trainers` first (it builds "
@@ -197,17 +197,17 @@ def _train_check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from job import redaction
+    from job import redaction  # per command: --help stays fast
 
     redaction.install()  # everything this process prints or logs from here on passes job/redaction.py
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    from job.generate import CanaryFailed
-    from job.generate.engine import EngineStartError
-    from job.generate.inputs import InputError
-    from job.hidden_states import HiddenStateCheckError
-    from job.runs import RunError
-    from job.storage import StorageError
+    from job.generate import CanaryFailed  # per command: --help stays fast
+    from job.generate.engine import EngineStartError  # per command: --help stays fast
+    from job.generate.inputs import InputError  # per command: --help stays fast
+    from job.hidden_states import HiddenStateCheckError  # per command: --help stays fast
+    from job.runs import RunError  # per command: --help stays fast
+    from job.storage import StorageError  # per command: --help stays fast
 
     try:
         return _dispatch(args)
@@ -229,7 +229,7 @@ def _dispatch(args) -> int:
         raise ConfigError("--force was split in two: --allow-drift (resume although settings changed) and "
                           "--take-lock (take over a dead job's writer lock); changed input is never resumed")
     if args.command == "generate":
-        from job.generate import print_summary, run_generate
+        from job.generate import print_summary, run_generate  # per command: --help stays fast
 
         config = _config(args)
         summary = run_generate(config, allow_drift=args.allow_drift, take_lock=args.take_lock,
@@ -237,11 +237,11 @@ def _dispatch(args) -> int:
         print_summary(config, summary)
         return 0
     if args.command == "hidden-states":
-        from job.hidden_states import run_hidden_states
+        from job.hidden_states import run_hidden_states  # per command: --help stays fast
 
         config = _config(args)
         if args.check:
-            from job.hidden_states import check_run
+            from job.hidden_states import check_run  # per command: --help stays fast
 
             result = check_run(config, args.check_samples)
             print(f"exactness check passed: {result['num_samples']} stored samples differ from a plain transformers "
@@ -251,7 +251,7 @@ def _dispatch(args) -> int:
         run_hidden_states(config, allow_drift=args.allow_drift, take_lock=args.take_lock)
         return 0
     if args.command == "export":
-        from job.export import export
+        from job.export import export  # per command: --help stays fast
 
         draft_config = _read_json_file(args.draft_config, "--draft-config") if args.draft_config else None
         summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
@@ -265,31 +265,31 @@ def _dispatch(args) -> int:
     if args.command == "train-check":
         return _train_check(args)
     if args.command == "report":
-        from job.generate.report import build_report, format_report
+        from job.generate.report import build_report, format_report  # per command: --help stays fast
 
         print(format_report(build_report(args.run, _storage(args))))
         return 0
     if args.command == "status":
-        from job.runview.status import build_status, format_status
+        from job.runview.status import build_status, format_status  # per command: --help stays fast
 
         st = build_status(args.run, _storage(args), window_s=args.window_min * 60, read_columns=not args.names_only)
         print(json.dumps(st, indent=2) if args.json else format_status(st))
         return 0
     if args.command == "plan":
-        from job.runview.plan import format_plan, plan_from_flags
+        from job.runview.plan import format_plan, plan_from_flags  # per command: --help stays fast
 
         estimate, measured = plan_from_flags(args, _storage(args))
         print(json.dumps({**estimate, "measured": measured}, indent=2, default=str) if args.json
               else format_plan(estimate, measured))
         return 0
     if args.command == "tiny-model":
-        from job.builtin.tiny_model import build_tiny_model
+        from job.builtin.tiny_model import build_tiny_model  # per command: --help stays fast
 
         print(build_tiny_model(args.output, architecture=args.architecture, train_steps=args.train_steps,
                                seed=args.seed))
         return 0
     if args.command == "demo":
-        from job.builtin.demo import run_demo
+        from job.builtin.demo import run_demo  # per command: --help stays fast
 
         return run_demo(args.output)
     raise AssertionError(args.command)

@@ -27,13 +27,13 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 def joining_cluster() -> bool:
     """True when the job runs on an existing Ray cluster (RAY_ADDRESS, set by `ray job submit`, or a driver that
     connected itself), False when it would start a local Ray of its own (one node: nothing to check)."""
-    import ray
+    import ray  # heavy: imported on use
 
     return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
 
 
 def alive_nodes() -> list[dict]:
-    import ray
+    import ray  # heavy: imported on use
 
     return [n for n in ray.nodes() if n.get("Alive")]
 
@@ -41,7 +41,7 @@ def alive_nodes() -> list[dict]:
 def check_paths_reach_workers(config: RunConfig, paths: dict[str, str | None]) -> None:
     """Refuse local paths that engines on other nodes would need, on a cluster of several nodes. `paths`:
     {what: path}, e.g. {"--output": config.output}. Call it before writing anything."""
-    import ray
+    import ray  # heavy: imported on use
 
     if config.storage.shared_filesystem or not ray.is_initialized():  # not joined: a local Ray, one node
         return
@@ -61,7 +61,7 @@ def check_paths_reach_workers(config: RunConfig, paths: dict[str, str | None]) -
 def this_node() -> str:
     """This process's node, for error messages: IP, host name and Ray node id."""
     try:
-        import ray
+        import ray  # heavy: imported on use
 
         ctx = ray.get_runtime_context()
         return f"{ray.util.get_node_ip_address()} ({socket.gethostname()}, Ray node {ctx.get_node_id()[:12]})"
@@ -103,8 +103,8 @@ class EngineCensus:
 
 def stage_actors(since_s: float = 0.0) -> list[dict]:
     """This job's Ray Data map actors (engines, extractors) created after `since_s` (time.time()), as GCS records."""
-    import ray
-    from ray._private import state
+    import ray  # heavy: imported on use
+    from ray._private import state  # heavy: imported on use
 
     job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     return [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")
@@ -117,8 +117,8 @@ def kill_stage_actors(since_s: float) -> int:
     an engine actor still ALIVE 40 s after the error), so a driver that lives on (a notebook, a test session) would
     keep the engine and its memory (a GPU on a cluster). By actor id: Ray Data holds the handles; `ray.kill` does
     the same through a handle."""
-    import ray
-    from ray._private import worker
+    import ray  # heavy: imported on use
+    from ray._private import worker  # heavy: imported on use
 
     killed = 0
     for a in stage_actors(since_s):
@@ -136,7 +136,7 @@ def engine_census(since_s: float = 0.0) -> EngineCensus | None:
     __init__ (the engine load) returned; RESTARTING after its process or node died, until Ray starts it again.
     `since_s`: only actors created after this time (time.time()), i.e. this stage's, not an earlier stage's of the
     same driver."""
-    import ray
+    import ray  # heavy: imported on use
 
     if not ray.is_initialized():
         return None

@@ -24,7 +24,7 @@ class Conflict(Exception):
 
 class S3Object:
     def __init__(self, uri: str, config: StorageConfig):
-        import boto3
+        import boto3  # heavy: imported on use
 
         parsed = urlparse(uri)
         self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
@@ -32,7 +32,7 @@ class S3Object:
                                    region_name=s3_region(config))
 
     def _call(self, method: str, **kwargs):
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # heavy: imported on use
 
         try:
             return getattr(self.client, method)(Bucket=self.bucket, Key=self.key, **kwargs)

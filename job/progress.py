@@ -248,8 +248,8 @@ class _Metrics:
     def __init__(self, label: str):
         self.ok = False
         try:
-            import ray
-            from ray.util.metrics import Counter, Gauge
+            import ray  # heavy: imported on use
+            from ray.util.metrics import Counter, Gauge  # heavy: imported on use
 
             if not ray.is_initialized():
                 return

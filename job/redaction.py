@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import sys
 
@@ -75,7 +76,7 @@ def _token_shapes() -> list[re.Pattern]:
     if _shapes is None:
         patterns = [re.compile(p) for p in _OWN_SHAPES]
         try:
-            from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+            from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class  # heavy: imported on use
 
             for cls in get_mapping_from_secret_type_to_class().values():
                 if cls.__name__ in _DETECT_SECRETS_PLUGINS:
@@ -208,7 +209,6 @@ def install() -> None:
 def apply_secret_env(secret_env: dict) -> None:
     """In an actor, first thing: the secrets its driver handed it, set in this process only (its engine's
     subprocesses inherit them), and everything it prints redacted."""
-    import os
 
     os.environ.update({k: str(v) for k, v in secret_env.items()})
     install()

@@ -35,7 +35,7 @@ from job.config import RunConfig
 def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
     """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray.
     Returns True when this call started Ray (the caller shuts it down again)."""
-    import ray
+    import ray  # heavy: imported on use
 
     if ray.is_initialized():
         return False
@@ -133,7 +133,7 @@ def map_units(units: list, stage: ActorStage):
     """A Ray Data pipeline of `units` (each with `to_row()`) through `stage.actor`. One block per unit, so each
     unit is its own task: an actor runs `units_per_actor` of them at once, and a replaced actor retries exactly
     its own units."""
-    import ray
+    import ray  # heavy: imported on use
 
     if stage.max_actors > stage.min_actors:
         # Ray Data adds an actor when its pool's utilization (units in flight / (actors × max_concurrency)) reaches
@@ -181,7 +181,7 @@ def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Ca
 
 
 def _stop_failed_stage(started: float) -> None:
-    import ray
+    import ray  # heavy: imported on use
 
     if ray.is_initialized():
         try:

@@ -325,7 +325,7 @@ def sha256(uri: str, storage: StorageConfig | None = None) -> str:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
         return h.hexdigest()[:32]
-    import boto3
+    import boto3  # heavy: imported on use
 
     storage = storage or StorageConfig()
     parsed = urlparse(uri)
@@ -350,7 +350,7 @@ def etag(uri: str, storage: StorageConfig | None = None) -> str:
     """An S3 object's ETag (one HEAD). S3 derives it from the bytes (the MD5 of a single-part upload, the MD5 of the
     parts' MD5s of a multipart one): a change of content changes it, though the same bytes uploaded another way
     (another part size) can get another one."""
-    import boto3
+    import boto3  # heavy: imported on use
 
     storage = storage or StorageConfig()
     parsed = urlparse(uri)

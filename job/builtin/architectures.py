@@ -149,7 +149,7 @@ def _transformers_text_kwargs(text: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 def dense_model(config: dict):
     # heavy: keeps python -m job --help fast
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # heavy: imported on use
 
     return Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa"))
 
@@ -160,7 +160,7 @@ def hybrid_text_model(config: dict):
     next during training (only attention gets a per-chat mask); inference never packs, so the model only sees
     slightly noisier training data."""
     # heavy: keeps python -m job --help fast
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # heavy: imported on use
 
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_transformers_text_kwargs(config["text_config"]),
                                                 attn_implementation="sdpa"))
@@ -173,10 +173,10 @@ def save_hybrid(out: Path, config: dict, text_tensors: dict, seed: int) -> None:
     layer, three norms). The MTP head is random: `speculative_config: {method: mtp}` runs on it, accepts little,
     and by rejection sampling leaves the output distribution unchanged."""
     # heavy: keeps python -m job --help fast
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    import torch  # heavy: imported on use
+    from safetensors.torch import load_file, save_file  # heavy: imported on use
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # heavy: imported on use
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer  # heavy: imported on use
 
     text = _transformers_text_kwargs(config["text_config"])
     torch.manual_seed(seed)

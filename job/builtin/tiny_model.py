@@ -106,7 +106,7 @@ def build_tiny_model(output_dir: str, *, architecture: str = "dense", train_step
     if train_steps < 0:
         raise ValueError(f"train_steps must be >= 0, got {train_steps}")
     # heavy: keeps python -m job --help fast
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy: imported on use
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

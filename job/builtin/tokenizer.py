@@ -30,6 +30,7 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END)
 def train_tokenizer(corpus_path: Path):
     """Byte-level BPE (GPT-2 / Qwen style: every byte is a token, so any text encodes) over the corpus."""
     # heavy: keeps python -m job --help fast
+    # heavy: imported on use
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -61,7 +61,7 @@ def _packed_rows(examples, pad_id: int):
     attention_mask=None transformers turns that into a block-diagonal causal mask, so a chat never attends to the
     one before it and training sees exactly what inference sees."""
     # heavy: keeps python -m job --help fast
-    import torch
+    import torch  # heavy: imported on use
 
     rows, row = [], []
     for ids, completion_start in examples:
@@ -91,7 +91,7 @@ def _boundary_tokens(tokenizer, vocab_size: int):
     """Bool per token id: the token ends a sentence or a line. The prediction after it is where the model decides
     to go on, close the think block or stop."""
     # heavy: keeps python -m job --help fast
-    import torch
+    import torch  # heavy: imported on use
 
     is_boundary = torch.zeros(vocab_size, dtype=torch.bool)
     for token_id in range(tokenizer.get_vocab_size()):
@@ -105,7 +105,7 @@ def _weighted_loss(logits, input_ids, labels, is_boundary):
     token. Those few positions (~1 in 12) carry the whole answer format (go on, close the think block, stop), so
     they count 3x; the weight was chosen, not tuned, and costs nothing."""
     # heavy: keeps python -m job --help fast
-    import torch
+    import torch  # heavy: imported on use
 
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     losses = torch.nn.functional.cross_entropy(
@@ -118,7 +118,7 @@ def _weighted_loss(logits, input_ids, labels, is_boundary):
 @contextlib.contextmanager
 def fixed_threads(num_threads: int):
     # heavy: keeps python -m job --help fast
-    import torch
+    import torch  # heavy: imported on use
 
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
@@ -131,7 +131,7 @@ def fixed_threads(num_threads: int):
 def train(make_model, vocab_size: int, tokenizer, examples, pad_id: int, train_steps: int, seed: int,
            log) -> dict:
     # heavy: keeps python -m job --help fast
-    import torch
+    import torch  # heavy: imported on use
 
     torch.manual_seed(seed)
     model = make_model().float()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from collections import Counter
 from typing import Iterator
@@ -42,9 +44,7 @@ def specforge_file_name(index: int, group: int = FILE_GROUP_SIZE) -> str:
 
 
 def _torch_bytes(obj) -> bytes:
-    import io
-
-    import torch
+    import torch  # heavy: imported on use
 
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -188,7 +188,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
                     name = specforge_file_name(index)
                     data = _torch_bytes(sample)
                 else:
-                    from safetensors.torch import save
+                    from safetensors.torch import save  # heavy: imported on use
 
                     name, data = f"hidden_states/hs_{index}.safetensors", save(sample)
                 written.add(name)
@@ -223,8 +223,6 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
 
 
 def _fingerprint(ids: list[str]) -> str:
-    import hashlib
-
     return hashlib.blake2b("\n".join(ids).encode(), digest_size=8).hexdigest()
 
 

@@ -22,7 +22,7 @@ from job.hidden_states.shards import torch_dtype
 
 def _checkpoint_tensor(model_dir: str, keys: list[str]):
     """The first of `keys` found in the model's safetensors (single file, or sharded with an index)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy: imported on use
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -49,8 +49,8 @@ def with_final_norm(plan: Plan) -> Plan:
 
 def load_final_norm(model_dir: str, dtype: str):
     """The target's final norm as a torch module on the CPU, weight in `dtype` (the run's compute dtype)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # heavy: imported on use
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: imported on use
 
     if not os.path.isdir(model_dir):
         raise ExportError(f"export: the run's target model {model_dir!r} is not a local directory; the export needs "

@@ -28,7 +28,7 @@ class TrainerLayout:
         self.plan, self.dtype = plan, dtype
 
     def __call__(self, batch: dict) -> dict:
-        import torch
+        import torch  # heavy: imported on use
 
         out: dict[str, list] = {}
         for i, sid in enumerate(batch[schema.ID]):

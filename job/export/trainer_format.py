@@ -77,7 +77,7 @@ class Plan:
         if slot != self.norm_slot:
             return hidden[:, slot]
         assert self.final_norm is not None, "load the target's final norm into the plan first (export/norm.py)"
-        import torch
+        import torch  # heavy: imported on use
 
         with torch.no_grad():
             return self.final_norm(hidden[:, slot])
@@ -179,7 +179,7 @@ def make_plan(to: str, format: str, run_layer_ids: list[int], num_model_layers: 
 def chatml_markers(model_dir: str) -> tuple[list[int], int]:
     """(token ids of the assistant header "<|im_start|>assistant\n", id of "<|im_end|>") of the target's tokenizer:
     the markers SpecForge's Qwen templates find assistant spans by (`assistant_header`, `end_of_turn_token`)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: imported on use
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
@@ -194,7 +194,7 @@ def with_history_turns(input_ids, loss_mask, header: list[int], end: int):
     assistant header up to and including its <|im_end|> (SpecForge's span: its regex takes the text after the
     header, and its offset test keeps the end-of-turn token). The generation prompt's open header at the end of the
     prompt is left as stage 2 masked it."""
-    import torch
+    import torch  # heavy: imported on use
 
     ids = input_ids.tolist()
     mask = loss_mask.clone()
@@ -236,7 +236,7 @@ def drop_reason(loss_mask, plan: Plan) -> str | None:
 def trainer_sample(input_ids, loss_mask, hidden, plan: Plan) -> dict:
     """The tensors one trainer file holds, from our record (`hidden`: [num_tokens, num_layers, hidden] torch).
     Every tensor is its own compact copy: `torch.save` of a view would write the whole underlying buffer."""
-    import torch
+    import torch  # heavy: imported on use
 
     ids = input_ids.to(torch.int64).clone()
     mask = loss_mask.to(torch.int64).clone()
@@ -257,7 +257,7 @@ def trainer_sample(input_ids, loss_mask, hidden, plan: Plan) -> dict:
 def count_tokens(counter: Counter, input_ids, loss_mask) -> None:
     """One sample's loss-masked tokens into `counter`, in the trainers' order (unique ids ascending), so ties in
     SpecForge's `most_common` break as they would there."""
-    import torch
+    import torch  # heavy: imported on use
 
     masked = input_ids.to(torch.int64)[loss_mask.to(torch.bool)]
     unique, counts = masked.unique(return_counts=True)
@@ -266,7 +266,7 @@ def count_tokens(counter: Counter, input_ids, loss_mask) -> None:
 
 def specforge_vocab_mapping(token_dict: Counter, draft_vocab_size: int, target_vocab_size: int):
     """(d2t, t2d) as SpecForge's `process_token_dict_to_mappings` builds them (data/preprocessing.py)."""
-    import torch
+    import torch  # heavy: imported on use
 
     token_dict = Counter(token_dict)
     if len(token_dict) < draft_vocab_size:

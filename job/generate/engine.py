@@ -18,6 +18,8 @@ deterministic, so a retried unit overwrites nothing that another unit wrote):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import logging
 import os
 import re
@@ -117,7 +119,7 @@ def why_engine_failed(model_path: str, error: BaseException, logged: str | None 
     "architectures ... failed to be inspected" (the import error goes to the log): import it again to say why."""
     architectures = target.config_json(model_path).get("architectures") or []
     try:
-        from vllm.model_executor.models.registry import ModelRegistry
+        from vllm.model_executor.models.registry import ModelRegistry  # heavy: imported on use
 
         for arch in architectures:
             lazy = ModelRegistry.models.get(arch)
@@ -159,7 +161,6 @@ def resolved_sampling(model_path: str, sampling: dict[str, Any]) -> dict[str, An
     defaults: dict[str, Any] = {}
     path = os.path.join(model_path, "generation_config.json")
     if os.path.exists(path):
-        import json
 
         with open(path) as f:
             gen = json.load(f)
@@ -172,7 +173,7 @@ def resolved_sampling(model_path: str, sampling: dict[str, Any]) -> dict[str, An
 
 
 def is_gpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # heavy: imported on use
 
     return current_platform.is_cuda_alike()
 
@@ -210,7 +211,7 @@ def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]
 class CompletionGenerator:
     def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = "",
                  fence=None):
-        import ray
+        import ray  # heavy: imported on use
 
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
         # this process only; and everything this actor prints redacted.
@@ -224,10 +225,10 @@ class CompletionGenerator:
             raise EngineStartError(missing)
         self.node_id = ray.get_runtime_context().get_node_id()
 
-        from transformers import AutoTokenizer
-        from vllm import AsyncEngineArgs, SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from transformers import AutoTokenizer  # heavy: imported on use
+        from vllm import AsyncEngineArgs, SamplingParams  # heavy: imported on use
+        from vllm.sampling_params import RequestOutputKind  # heavy: imported on use
+        from vllm.v1.engine.async_llm import AsyncLLM  # heavy: imported on use
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.config: RunConfig = from_dict(config)
@@ -291,7 +292,6 @@ class CompletionGenerator:
         (a compile that never ends, NCCL waiting for a peer, a bad GPU) otherwise stalls the job without a word.
         The start runs in a helper thread so this one can stop waiting; the actor then fails, which ends the job
         once with the message (its processes go with it)."""
-        import concurrent.futures
 
         timeout = self.config.generate.engine_start_timeout_s
         log_from = log_offsets()
@@ -434,8 +434,8 @@ class CompletionGenerator:
                 return _error_result(row_id, f"generation failed: {type(e).__name__}: {e}"[:500])
 
     async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int) -> dict[str, Any]:
-        from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.inputs import TokensPrompt  # heavy: imported on use
+        from vllm.v1.engine.exceptions import EngineDeadError  # heavy: imported on use
 
         gen = self.config.generate
         row_id = result[schema.ID]

@@ -54,7 +54,7 @@ class GenerateSummary:
 
 
 def num_engines(config: RunConfig) -> int:
-    import ray
+    import ray  # heavy: imported on use
 
     if config.generate.num_engines:
         return config.generate.num_engines
@@ -95,7 +95,7 @@ def check_hub_model(name: str, token: str | None = None) -> None:
     """A model given by hub name must be in the local Hugging Face cache or reachable on the hub, checked here in
     a second. Left to the engine actors, a name that cannot be fetched failed after the actor's imports and the hub
     client's retries (79 s here) with a raw traceback. (s3:// and other URIs are the loader's to fetch.)"""
-    import huggingface_hub as hub
+    import huggingface_hub as hub  # heavy: imported on use
 
     if isinstance(hub.try_to_load_from_cache(name, "config.json"), str):
         return
@@ -194,7 +194,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
               f"({done_rows:,} of {total_rows:,} already done)", flush=True)
 
         # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
-        import ray
+        import ray  # heavy: imported on use
 
         with stage.failure_recorded(config, "generate", held.fence):
             started_ray = stage.ensure_ray(config) or joined_ray
@@ -239,7 +239,7 @@ def _trusted_shards(config: RunConfig, fence) -> list[str]:
 
 def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
              engines: tuple[int, int], fence) -> stage.ActorStage:
-    import ray
+    import ray  # heavy: imported on use
 
     return stage.ActorStage(
         CompletionGenerator,

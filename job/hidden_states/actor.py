@@ -47,7 +47,7 @@ class HiddenStateExtractor:
         only while the driver holds it."""
         # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
         redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
-        import torch
+        import torch  # heavy: imported on use
 
         self.config = from_dict(config)
         missing = model_missing_here(self.config.model)
@@ -228,7 +228,7 @@ def collate(batch: dict) -> dict:
     """`collate_fn` for `iter_torch_batches` over `dataset(config)` or `job.export.stream(...)`, any batch size:
     samples differ in length, so each per-sample column becomes a list with one tensor per sample (features as
     torch.bfloat16 again), `id` a list of str, the scalar columns tensors."""
-    import torch
+    import torch  # heavy: imported on use
 
     out = {}
     for name, column in batch.items():
@@ -255,7 +255,7 @@ def vllm_unavailable_reason() -> str | None:
     speculative method starts, but its hidden-state KV connector (ExampleHiddenStatesConnector) copies features
     to the host with `torch.empty_like(..., pin_memory=True)`, which fails without CUDA ("pin_memory=True
     requires a CUDA ... backend")."""
-    import torch
+    import torch  # heavy: imported on use
 
     if not torch.cuda.is_available():
         return ("hidden_states.backend 'vllm' needs a CUDA GPU: vLLM's hidden-state connector pins host memory "

@@ -122,7 +122,7 @@ def reference_features(model, samples: list[Sample], layer_ids: list[int],
     transformers forward of the sample alone (no padding, no packing, no hooks of ours). With
     `last_layer_before_norm`, the last layer is instead the output of the final decoder layer itself (before the
     final norm), which output_hidden_states does not return: a forward hook on that layer reads it."""
-    import torch
+    import torch  # heavy: imported on use
 
     stack = decoder_stack(model)
     device = stack.embed_tokens.weight.device
@@ -195,7 +195,7 @@ def verdict(differences: list[Difference], tolerance: float, where: str) -> dict
 
 def split_features(samples: list[Sample], features: np.ndarray, num_layers: int, hidden: int, dtype: str) -> list:
     """A part's features (uint8, the samples' [n, L, H] blocks back to back) as one tensor per sample."""
-    import torch
+    import torch  # heavy: imported on use
 
     flat = torch.from_numpy(features).view(torch_dtype(dtype))
     out, pos = [], 0

@@ -4,6 +4,9 @@ flash-linear-attention's varlen kernels)."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+
 PACKED_ATTENTION = "datagen_packed"
 
 
@@ -12,7 +15,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     """transformers attention function for sequences packed along one row: [1, heads, tokens, head_dim] in,
     [1, tokens, heads, head_dim] out, causal within each sequence (`cu_seq_lens_q` = cumulative lengths).
     CUDA: torch's varlen flash attention, no padding and no mask. Elsewhere: causal SDPA per sequence (exact)."""
-    import torch
+    import torch  # heavy: imported on use
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
     if q.is_cuda:
@@ -33,16 +36,14 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def _varlen():
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # heavy: imported on use
 
     return varlen_attn, inspect.signature(varlen_attn).parameters
 
 
 def packed_attention_available() -> bool:
     try:
-        import torch
+        import torch  # heavy: imported on use
 
         _varlen()
         return torch.cuda.is_available()
@@ -51,8 +52,8 @@ def packed_attention_available() -> bool:
 
 
 def register_packed_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface  # heavy: imported on use
+    from transformers.masking_utils import AttentionMaskInterface  # heavy: imported on use
 
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None)  # no mask: cu_seq_lens say it
@@ -61,7 +62,7 @@ def register_packed_attention() -> None:
 def decoder_stack(model):
     """The module holding `embed_tokens`, `layers` and `norm` (Qwen3Model inside Qwen3ForCausalLM, a
     multimodal model's language model, ...): calling it runs embeddings + decoder layers, never the LM head."""
-    import torch
+    import torch  # heavy: imported on use
 
     for _, module in model.named_modules():
         if (isinstance(getattr(module, "layers", None), torch.nn.ModuleList) and hasattr(module, "norm")
@@ -96,7 +97,6 @@ def slow_path_warnings(stack) -> list[str]:
     """The fast kernels a model with Gated DeltaNet layers lacks on a GPU. Without flash-linear-attention,
     transformers runs its torch reference of the chunked gated delta rule, over 10x slower on an H100 (transformers'
     own warning, which one line among a worker's start-up logs hides)."""
-    import importlib.util
 
     if "linear_attention" not in (getattr(stack.config, "layer_types", None) or []):
         return []
@@ -115,7 +115,6 @@ _GDN_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d
 def varlen_gdn_problem(stack) -> str | None:
     """None when every Gated DeltaNet layer of `stack` can run once per packed batch through flash-linear-attention's
     varlen kernels; else why not (then a packed batch runs each such layer once per sequence)."""
-    import importlib.util
 
     types = getattr(stack.config, "layer_types", None) or []
     if "linear_attention" not in types:
@@ -136,10 +135,10 @@ def varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
     as when it runs alone. Grouped value heads (48 value : 16 key heads on the 27B) go to the kernel as they are
     (its GVA maps value head j to key head j // 3, which is transformers' `repeat_interleave`). Measured against
     once-per-sequence in docs/BENCHMARKS.md; every worker's self-check compares it with a plain forward."""
-    import torch
-    import torch.nn.functional as F
-    from fla.modules.causal_conv1d.ops import causal_conv1d
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    import torch  # heavy: imported on use
+    import torch.nn.functional as F  # heavy: imported on use
+    from fla.modules.causal_conv1d.ops import causal_conv1d  # heavy: imported on use
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # heavy: imported on use
 
     _, tokens, _ = hidden_states.shape
     mixed, _ = causal_conv1d(mixer.in_proj_qkv(hidden_states), weight=mixer.conv1d.weight.squeeze(1),

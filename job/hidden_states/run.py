@@ -167,7 +167,7 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 
 
 def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None):
-    import ray
+    import ray  # heavy: imported on use
 
     stage.ensure_ray(config)
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -340,7 +340,7 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     `num_samples` stored samples, one from each of as many shards spread over the run, against a plain transformers
     forward of each alone. Raises HiddenStateCheckError (naming layer and sample) beyond the tolerance, else returns
     the summary. Runs on a GPU worker when the cluster has one (the driver of a cluster job usually has none)."""
-    import ray
+    import ray  # heavy: imported on use
 
     uris = storage.list_files(_out_dir(config), layout.SHARD_SUFFIX, config.storage)
     if not uris:
@@ -366,7 +366,7 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
 
 def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     """The first sample of each shard in `uris`: stored features against a plain forward of the sample alone."""
-    import torch
+    import torch  # heavy: imported on use
 
     redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])  # as the actors do
     config = from_dict(config_dict)

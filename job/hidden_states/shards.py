@@ -58,7 +58,7 @@ def table_to_ipc(table: pa.Table) -> pa.Buffer:
 
 
 def torch_dtypes() -> dict:
-    import torch
+    import torch  # heavy: imported on use
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -71,7 +71,7 @@ def iter_records(table: pa.Table) -> Iterator[dict]:
     """One dict per sample; `hidden_states` is a torch tensor [num_tokens, num_layers, hidden] that views the
     table's buffer (no copy: with a memory-mapped file nothing is read until used). Treat the tensors as
     read-only (`.clone()` to modify): they share memory with the file mapping."""
-    import torch
+    import torch  # heavy: imported on use
 
     meta = table.schema.metadata
     layer_ids = json.loads(meta[schema.META_LAYER_IDS])

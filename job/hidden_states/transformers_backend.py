@@ -58,9 +58,9 @@ from job.hidden_states.shards import torch_dtype, torch_dtypes
 
 def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None):
     """The target model for a forward over token ids, in `dtype` on `device` (default: cuda if present)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    import torch  # heavy: imported on use
+    from transformers import AutoModelForCausalLM  # heavy: imported on use
+    from transformers.utils import logging as hf_logging  # heavy: imported on use
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per actor adds nothing to a run's log
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +88,7 @@ class TransformersExtractor:
         bounds: see varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
         (varlen on a GPU with flash-linear-attention). `last_layer_before_norm`: the last layer is the final
         decoder layer's output before the final norm (vLLM's convention) instead of after it."""
-        import torch
+        import torch  # heavy: imported on use
 
         self.torch = torch
         self.stack = decoder_stack(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -34,7 +36,7 @@ class VllmExtractor:
                  engine_kwargs: dict | None = None, shm_dir: str = "/dev/shm/datagen-hidden-states",
                  min_rms: float = 1e-5, max_rms: float = 1e4, check: bool = True,
                  last_layer_before_norm: bool = False, prefetch: int = 1):
-        from vllm import LLM
+        from vllm import LLM  # heavy: imported on use
 
         shape = target.shape(model)
         num_layers = shape.num_layers
@@ -72,12 +74,12 @@ class VllmExtractor:
         part. Read back in line on one thread, the GPU idled for the whole read: 0.60x of the engine's own rate on
         the 8B shape; overlapped with 8 readers, 0.946x (docs/BENCHMARKS.md, 4b). At most `self.prefetch` parts
         are generated ahead, so /dev/shm holds at most that many parts' files beyond the one being read."""
-        import torch
-        from vllm import SamplingParams
+        import torch  # heavy: imported on use
+        from vllm import SamplingParams  # heavy: imported on use
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
-        )
+        )  # heavy: imported on use
 
         params = SamplingParams(max_tokens=1, detokenize=False)
 
@@ -135,8 +137,6 @@ def ahead(fn, items: list, depth: int, on_drop=lambda result: None) -> Iterator:
     """fn(item) for each item in order, computed by one background thread up to `depth` items ahead of the
     consumer (depth 0: in line, no thread). An exception in fn is raised to the consumer at that item. Closing
     the iterator early stops the thread after the call it is in; results made but never taken go to on_drop."""
-    import queue
-    import threading
 
     if depth <= 0:
         for item in items:

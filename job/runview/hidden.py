@@ -150,7 +150,7 @@ def check_token_alignment(run_uri: str, rows: pa.Table, max_samples: int = 8,
 def plot_layer_norms(summary: dict):
     """Left: per-layer RMS of the hidden vectors (mean over samples, bar from the lowest to the highest sample).
     Right: per-token RMS along the first sample, one line per layer, prompt tokens shaded (loss_mask 0)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: imported on use
 
     fig = Figure(figsize=(12, 3.6), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 2])

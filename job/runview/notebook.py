@@ -145,7 +145,7 @@ def flag_rates(report: dict) -> list[tuple[str, int, float]]:
 
 
 def plot_flag_rates(report: dict):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: imported on use
 
     rates = flag_rates(report)
     fig = Figure(figsize=(8, 0.45 * len(rates) + 1.2), layout="constrained")
@@ -255,7 +255,7 @@ def histogram(values: np.ndarray, num_bins: int = 40) -> dict:
 
 def plot_length_histograms(lengths: dict[str, np.ndarray], max_tokens: int | None = None, num_bins: int = 40):
     """One panel per length; a dashed line at `max_tokens` on the output panel (rows there were cut)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: imported on use
 
     fig = Figure(figsize=(12, 2.6 * -(-len(lengths) // 2)), layout="constrained")
     axes = fig.subplots(-(-len(lengths) // 2), 2, squeeze=False).ravel()
@@ -263,7 +263,7 @@ def plot_length_histograms(lengths: dict[str, np.ndarray], max_tokens: int | Non
         h = histogram(values, num_bins)
         ax.stairs(h["counts"], h["edges"], fill=True, color="#5d6d7e")
         if h["log_x"]:
-            from matplotlib.ticker import FuncFormatter, NullFormatter
+            from matplotlib.ticker import FuncFormatter, NullFormatter  # heavy: imported on use
 
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
@@ -332,7 +332,7 @@ def load_tokenizer(model: str | None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tqdm's "IProgress not found" when transformers loads in a notebook
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # heavy: imported on use
 
             return AutoTokenizer.from_pretrained(model, local_files_only=True)
     except Exception:  # not cached here, gated, no network: samples render without the exact prompt text

@@ -119,7 +119,7 @@ def _target_copy(model_dir: str, workdir: str) -> tuple[str, str, str]:
     no attribute 'hidden_size'"), so a target with a nested text_config gets a config.json with hidden_size and
     vocab_size copied up. A tied-embedding target has no `lm_head.weight`: its LM head is the embedding.
     """
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy: imported on use
 
     names = sorted(os.listdir(model_dir))
     weight_map = {}
@@ -166,17 +166,17 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     # No error avoided: the first EAGLE-3 step spends ~150 s in torch.compile (specforge.algorithms.eagle3.model
     # has @torch.compile helpers); eager gives the same numbers.
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: imported on use
+    import torch.distributed as dist  # heavy: imported on use
 
     # Also when torch was imported before this function ran, and its dynamo config read the env already.
     torch._dynamo.config.disable = True
 
-    from specforge.application import build_application_run
-    from specforge.config import Config
-    from specforge.distributed import destroy_distributed, init_distributed
-    from specforge.runtime.data_plane.offline_reader import list_feature_files
-    from specforge.training.strategies.base import StepContext
+    from specforge.application import build_application_run  # the trainers' environment only
+    from specforge.config import Config  # the trainers' environment only
+    from specforge.distributed import destroy_distributed, init_distributed  # the trainers' environment only
+    from specforge.runtime.data_plane.offline_reader import list_feature_files  # the trainers' environment only
+    from specforge.training.strategies.base import StepContext  # the trainers' environment only
 
     fmt = manifest["format"]
     workdir = os.path.abspath(workdir)
@@ -234,13 +234,13 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
     env_keys = ("FSDP_SHARDING", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     saved_env = {key: os.environ.get(key) for key in env_keys}
     os.environ["FSDP_SHARDING"] = cfg.training.fsdp_sharding
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # heavy: imported on use
 
     set_seed(cfg.training.seed)
     own_group = not dist.is_initialized()
     if own_group:
         # The CLI's own helper: RANK=0, WORLD_SIZE=1, a free loopback MASTER_PORT.
-        from specforge.cli import _bootstrap_single_process_env
+        from specforge.cli import _bootstrap_single_process_env  # the trainers' environment only
 
         for key in env_keys[1:]:
             os.environ.pop(key, None)

@@ -15,8 +15,13 @@ entry pointing at this directory).
 
 from __future__ import absolute_import
 
+import argparse
+import importlib
 import json
+import logging
 import os
+import shutil
+import sys
 
 # Eagle3SpeculatorConfig.draft_vocab_size and DFlashSpeculatorConfig.draft_vocab_size default to
 # 32000 (speculators/models/{eagle3,dflash}/config.py).
@@ -165,8 +170,6 @@ def config_layer_ids(config: dict, fmt: str):
 
 def _import_speculators():
     """Import the installed speculators library, never this file."""
-    import importlib
-    import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
     mod = sys.modules.get("speculators")
@@ -214,25 +217,21 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
       accuracy  the trainer's accuracy for the FIRST drafted position: EAGLE-3 "full_acc_0" (TTT
                 step 0), DFlash "position_1_acc" (block slot 1, the first token after the anchor).
     """
-    import argparse
-    import logging
-    import shutil
 
-    import torch
+    import torch  # heavy: imported on use
 
     _import_speculators()
-    from hs_connectors import HiddenStatesBackend
-    from torch.utils.data import DataLoader
-
-    from speculators.model import SpeculatorModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train import cli as sp_cli
-    from speculators.train import trainer as sp_trainer
-    from speculators.train.config import TrainConfig
-    from speculators.train.config.resolution import _BACKEND_DESTS
-    from speculators.train.config.schema import CONFIG_DESTS
-    from speculators.train.data import ArrowDataset
-    from speculators.train.dataloader import _setup_dataloader
+    from hs_connectors import HiddenStatesBackend  # the trainers' environment only
+    from speculators.model import SpeculatorModel  # the trainers' environment only
+    from speculators.models.eagle3.data import shift_batch  # the trainers' environment only
+    from speculators.train import cli as sp_cli  # the trainers' environment only
+    from speculators.train import trainer as sp_trainer  # the trainers' environment only
+    from speculators.train.config import TrainConfig  # the trainers' environment only
+    from speculators.train.config.resolution import _BACKEND_DESTS  # the trainers' environment only
+    from speculators.train.config.schema import CONFIG_DESTS  # the trainers' environment only
+    from speculators.train.data import ArrowDataset  # the trainers' environment only
+    from speculators.train.dataloader import _setup_dataloader  # the trainers' environment only
+    from torch.utils.data import DataLoader  # heavy: imported on use
 
     flat = _flat_config(config)
     fmt = flat.setdefault("speculator_type", manifest["format"])
