@@ -72,6 +72,7 @@ def write_inputs(directory: str, rows: int, row_bytes: int, gz: bool) -> dict[st
 
 def _step(uri: str, step: str, rows_per_shard: int, queue) -> None:
     from job.generate import inputs, jsonl_input
+    from job.generate.units import pending_units
     from job.storage import StorageConfig
 
     importlib.import_module("pandas")  # imported lazily by id hashing: not part of any step's time
@@ -79,7 +80,7 @@ def _step(uri: str, step: str, rows_per_shard: int, queue) -> None:
     sc = StorageConfig()
     files = inputs.list_input_files(uri, sc)
     carried = jsonl_input.table_schema(["id", "messages", "source"])  # what validation finds (JSONL only)
-    inputs.read_unit(inputs.pending_units(files, [], None, 16)[0], sc, carried)  # warm: first-call set-up costs
+    inputs.read_unit(pending_units(files, [], None, 16)[0], sc, carried)  # warm: first-call set-up costs
     base = _status_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (peak RSS) to the current RSS (Linux)
         f.write("5")
@@ -89,9 +90,9 @@ def _step(uri: str, step: str, rows_per_shard: int, queue) -> None:
     elif step == "validate":
         inputs.validate_input(files, sc)
     elif step == "units":
-        inputs.pending_units(files, [], None, rows_per_shard)
+        pending_units(files, [], None, rows_per_shard)
     elif step == "read_unit":
-        unit = inputs.pending_units(files, [], None, rows_per_shard)[-2]  # near the end
+        unit = pending_units(files, [], None, rows_per_shard)[-2]  # near the end
         assert inputs.read_unit(unit, sc, carried).num_rows == rows_per_shard
     seconds = time.perf_counter() - t0
     peak = _status_mib("VmHWM")

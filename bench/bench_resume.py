@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from job import layout, scan, storage  # noqa: E402
 from job.generate import inputs
+from job.generate.units import count_done_rows, pending_units
 from job.storage import StorageConfig  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def main() -> None:
                            inp / f"part-{f:05d}.parquet")
         files = inputs.list_input_files(str(inp), sc)
         # Half the run done: every unit of the first half of the files has its shard.
-        done_units = inputs.pending_units(files[: args.files // 2], [], None, args.rows_per_shard)
+        done_units = pending_units(files[: args.files // 2], [], None, args.rows_per_shard)
         # Real (small) shard files: a resume reads every shard's footer before it trusts it (issue 27).
         shard = storage.table_to_ipc_bytes(pa.table({"id": pa.array([str(i) for i in range(args.rows_per_shard)]),
                                                      "error": pa.nulls(args.rows_per_shard, pa.string())}))
@@ -84,12 +85,12 @@ def main() -> None:
         checks = measure("3b. read every shard's footer (resume trusts content)",
                          lambda: scan.check_completion_shards(listed, sc))
         assert not scan.unreadable(checks)
-        units = measure("4. rows left → work units", lambda: inputs.pending_units(
+        units = measure("4. rows left → work units", lambda: pending_units(
             files, names, None, args.rows_per_shard))
         recorded = inputs.describe_files(files, str(inp), {}, inputs.content_digests(files, sc))
         measure("5. input unchanged? (SHA-256 of every file, every resume)",
                 lambda: inputs.check_unchanged(recorded, files, str(inp), sc))
-        done = inputs.count_done_rows(files, names, None)
+        done = count_done_rows(files, names, None)
         print(f"\n{len(names):,} shards done = {done:,} rows; {len(units):,} units left = "
               f"{sum(u.num_rows for u in units):,} rows; process max RSS "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

@@ -68,6 +68,12 @@ class CompletionUnit:
     def to_row(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_row(cls, row: dict) -> "CompletionUnit":
+        """The unit again from its row of a batch (`to_row` went through Ray Data: numpy scalars)."""
+        return cls(file_index=int(row["file_index"]), file_uri=str(row["file_uri"]), start=int(row["start"]),
+                   stop=int(row["stop"]), seek_row=int(row["seek_row"]), seek_byte=int(row["seek_byte"]))
+
 
 def completion_shard_name(file_index: int, start: int, stop: int) -> str:
     return f"f{file_index:05d}-r{start:010d}-{stop:010d}{SHARD_SUFFIX}"

@@ -165,19 +165,29 @@ def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Ca
     one of `user_errors` raised inside an actor is raised here with its own message, not Ray's traceback."""
     started = time.time()
     rows = iter(summaries)
-    with tracker:
+    with tracker, user_errors_surface(user_errors):
         try:
             for s in rows:
                 on_summary(s)
-        except BaseException as e:
+        except BaseException:
             # An error (or the canary's verdict): stop the stage's engines now, whoever lives on after the driver's
             # error (a notebook's Ray, the tests' session Ray, a cluster) would otherwise keep them.
             _stop_failed_stage(started)
-            cause = user_error_inside(e, user_errors) if isinstance(e, Exception) else None
-            if cause is not None:
-                raise cause from None
             raise
         let_actors_stop(started)
+
+
+@contextmanager
+def user_errors_surface(user_errors: tuple[type[BaseException], ...]):
+    """An error of one of `user_errors` raised inside a Ray actor or task comes out of this block with its own
+    message, not wrapped in Ray's traceback (`follow`, and one-off tasks such as `hidden-states --check`)."""
+    try:
+        yield
+    except Exception as e:
+        cause = user_error_inside(e, user_errors)
+        if cause is not None:
+            raise cause from None
+        raise
 
 
 def _stop_failed_stage(started: float) -> None:

@@ -16,6 +16,7 @@ from conftest import read_run
 
 from job import layout, storage
 from job.generate import inputs, jsonl_input, prompts
+from job.generate.units import pending_units
 from job.storage import StorageConfig
 
 SC = StorageConfig()
@@ -111,7 +112,7 @@ def write_all_formats(tmp_path, rows: list[dict]) -> dict[str, str]:
 def read_all_units(uri: str, rows_per_shard: int) -> tuple[list[layout.CompletionUnit], list[dict]]:
     files = inputs.list_input_files(uri, SC)
     carried = inputs.validate_input(files, SC)
-    units = inputs.pending_units(files, [], None, rows_per_shard)
+    units = pending_units(files, [], None, rows_per_shard)
     got = []
     for u in units:
         table = inputs.read_unit(u, SC, carried)
@@ -153,7 +154,7 @@ def test_a_jsonl_unit_reads_only_its_rows(tmp_path, monkeypatch):
         files = inputs.list_input_files(uri, SC)
         carried = inputs.validate_input(files, SC)
         assert files[0].num_rows == 1000
-        unit = [u for u in inputs.pending_units(files, [], None, 100) if u.start == 500][0]
+        unit = [u for u in pending_units(files, [], None, 100) if u.start == 500][0]
         got = inputs.read_unit(unit, SC, carried)
         assert got.column("id").to_pylist() == [str(i) for i in range(500, 600)]
         assert got.column("prompt").to_pylist() == [f"question {i}" for i in range(500, 600)]
@@ -163,7 +164,7 @@ def test_a_jsonl_unit_reads_only_its_rows(tmp_path, monkeypatch):
     cut = data.index(b'{"id": 400,')
     data[:cut] = b"#" * cut
     path.write_bytes(bytes(data))
-    units = {u.start: u for u in inputs.pending_units(files, [], None, 100)}
+    units = {u.start: u for u in pending_units(files, [], None, 100)}
     assert inputs.read_unit(units[500], SC, carried).column("id").to_pylist() == [str(i) for i in range(500, 600)]
     with pytest.raises(inputs.InputError, match="not valid JSON"):
         inputs.read_unit(units[0], SC, carried)

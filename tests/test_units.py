@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from job.generate.inputs import InputFile, pending_units
+from job.generate.inputs import InputFile
+from job.generate.units import pending_units
 from job.layout import CompletionUnit, parse_completion_shard_name
 
 

@@ -317,9 +317,7 @@ class CompletionGenerator:
             self.watchdog = asyncio.get_running_loop().create_task(self._watch())
             self.gate = asyncio.Semaphore(self.max_rows_in_flight)
         for i in range(len(batch["file_uri"])):
-            unit = layout.CompletionUnit(int(batch["file_index"][i]), str(batch["file_uri"][i]),
-                                   int(batch["start"][i]), int(batch["stop"][i]),
-                                   int(batch["seek_row"][i]), int(batch["seek_byte"][i]))
+            unit = layout.CompletionUnit.from_row({key: column[i] for key, column in batch.items()})
             yield await self._run_unit(unit)
 
     async def _run_unit(self, unit: layout.CompletionUnit) -> dict[str, list]:

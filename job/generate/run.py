@@ -23,6 +23,7 @@ import pyarrow as pa
 from job import cluster, layout, progress, redaction, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
 from job.generate import inputs, quality
+from job.generate.units import count_done_rows, pending_units, wanted_ranges
 from job.generate.engine import CompletionGenerator, EngineStartError, resolved_sampling, text_only_engine_kwargs
 from job.generate.report import write_report
 from job.lock import FencedOut
@@ -168,16 +169,16 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                                         regenerate=config.generate.regenerate)
         file_records = inputs.describe_files(files, config.input, digests,
                                              inputs.content_digests(files, config.storage))
-    total_rows = sum(n for _, s, e in inputs.wanted_ranges(files, config.limit) for n in [e - s])
+    total_rows = sum(n for _, s, e in wanted_ranges(files, config.limit) for n in [e - s])
 
     with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock) as held:
         # 2. What is left: the output listing minus the wanted row ranges.
         completions = storage.join(config.output, layout.COMPLETIONS_DIR)
         done = _trusted_shards(config, held.fence)
-        done_rows = inputs.count_done_rows(files, done, config.limit)
+        done_rows = count_done_rows(files, done, config.limit)
         canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
         run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
-        units = inputs.pending_units(files, done, config.limit, config.generate.rows_per_shard,
+        units = pending_units(files, done, config.limit, config.generate.rows_per_shard,
                                      first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
         summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
         runs.write_run_json(config, "generate", {

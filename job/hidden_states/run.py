@@ -239,12 +239,19 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         if pending:
             print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
             with stage.failure_recorded(config, STAGE, held.fence):
-                summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
-                tracker = progress.Progress(total_rows=sum(u.num_rows for u in units),
-                                            done_rows=sum(u.num_rows for u in units) - sum(u.num_rows for u in pending),
-                                            label="hidden-states", tokens_key="num_tokens_extracted")
-                stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run),
-                             USER_ERRORS)
+                started_ray = stage.ensure_ray(config)
+                try:
+                    summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
+                    total = sum(u.num_rows for u in units)
+                    tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
+                                                label="hidden-states", tokens_key="num_tokens_extracted")
+                    stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run),
+                                 USER_ERRORS)
+                finally:
+                    if started_ray:  # as stage 1: the Ray this stage started ends with it
+                        import ray  # heavy: imported on use
+
+                        ray.shutdown()
         else:
             print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
         seconds = time.monotonic() - extract_started
@@ -342,7 +349,7 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
     the summary. Runs on a GPU worker when the cluster has one (the driver of a cluster job usually has none)."""
     import ray  # heavy: imported on use
 
-    uris = storage.list_files(_out_dir(config), layout.SHARD_SUFFIX, config.storage)
+    uris = [uri for uri, _ in scan.done_hidden_state_parts(config.output, config.storage)]  # the one done rule
     if not uris:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
     step = max(1, len(uris) // num_samples)
@@ -352,13 +359,8 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
         task = task.options(runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})
-        try:
+        with stage.user_errors_surface(USER_ERRORS):
             return ray.get(task.remote(to_dict(config), chosen))
-        except Exception as e:
-            cause = stage.user_error_inside(e, USER_ERRORS)
-            if cause is not None:
-                raise cause from None
-            raise
     finally:
         if started_ray:
             ray.shutdown()
