@@ -13,6 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from job.builtin.tiny_model import ensure_tiny_model
+from job.config import DEFAULT_CONFIG, load_config
+from job.generate import print_summary, run_generate
+from job.hidden_states import run_hidden_states
 
 TINY_MODEL_DIR = ".cache/tiny-model"
 DEMO_PROMPTS_DIR = ".cache/demo-prompts"
@@ -67,18 +70,10 @@ def write_demo_prompts(output_dir: str = DEMO_PROMPTS_DIR, num_prompts: int = NU
 
 
 def run_demo(output: str) -> int:
-    # heavy: keeps python -m job --help fast
-    from job.config import DEFAULT_CONFIG, load_config
-    from job.generate import print_summary, run_generate
-
     print(f"demo: tiny model in {TINY_MODEL_DIR} (built once, ~1-2 min)", flush=True)
     ensure_tiny_model(TINY_MODEL_DIR)
     write_demo_prompts()
     config = load_config(DEFAULT_CONFIG, output=output)
     print_summary(config, run_generate(config))
-    try:
-        from job.hidden_states import run_hidden_states
-    except ImportError:  # stage 2 not installed in this checkout
-        return 0
     run_hidden_states(config)
     return 0
