@@ -32,6 +32,19 @@ from job.cluster import engine_census, kill_stage_actors
 from job.config import RunConfig
 
 
+@dataclass(kw_only=True)
+class StageSummary:
+    """What a stage returns when it ends, both stages alike (each also stores its own report under reports/)."""
+    output: str
+    """The run directory."""
+    seconds: float = 0.0
+    """Wall time of this invocation."""
+    shards: list[str] = field(default_factory=list)
+    """The shards this stage's summary covers: stage 1, those this job wrote; stage 2, every part of the run."""
+    report: str | None = None
+    """Where the stage's report is stored (None: it could not be written; `python -m job report` makes it)."""
+
+
 def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
     """Join the cluster when there is one (RAY_ADDRESS, or inside `ray job submit`), else start a local Ray.
     Returns True when this call started Ray (the caller shuts it down again)."""

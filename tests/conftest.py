@@ -355,7 +355,7 @@ class SharedRun:
     summary: object  # stage 1's GenerateSummary
     rerun: object  # the rerun's summary: nothing to do
     num_s3_faults: int
-    hidden_states: dict  # stage 2's summary
+    hidden_states: object  # stage 2's summary (HiddenStatesSummary)
     bucket: str
     secrets: dict  # env_vars of unique fake secrets, one of each shape, given to both stages
     output: str  # everything both stages printed (stdout and stderr)

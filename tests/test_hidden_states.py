@@ -166,14 +166,14 @@ def test_features_equal_transformers_output_hidden_states_for_every_layer(float3
             torch.testing.assert_close(rec["hidden_states"][:, j], hidden[k + 1][0], rtol=1e-3, atol=1e-3,
                                        msg=lambda m: f"layer {k} of {rec['id']}: {m}")
     assert sum(r["clipped"] for r in records) == 3
-    assert summary["num_samples"] == len(want) and summary["num_errors"] == 4
+    assert summary.num_samples == len(want) and summary.num_errors == 4
     empty = next(r for r in records if r["id"] == "row-0012")  # an empty completion: kept, nothing to learn
     assert empty["loss_mask"].sum() == 0 and len(empty["input_ids"]) > 0
 
 
 def test_shards_are_mmapped_zero_copy_with_metadata(float32_run, model_dir):
     run, _, summary = float32_run
-    uri = summary["shards"][0]
+    uri = summary.shards[0]
     table = storage.read_shard(uri, memory_map=True)
     meta = table.schema.metadata
     assert json.loads(meta[schema.META_LAYER_IDS]) == [0, 1, 3]
@@ -182,7 +182,7 @@ def test_shards_are_mmapped_zero_copy_with_metadata(float32_run, model_dir):
     data = table.column(schema.HIDDEN_STATES).chunk(0).values.buffers()[1]
     for rec in iter_records(table):  # the tensor points into the file mapping: nothing was copied
         assert data.address <= rec["hidden_states"].data_ptr() < data.address + data.size
-    report = storage.read_json(summary["report"])
+    report = storage.read_json(summary.report)
     assert report["padding_waste"] < 0.5 and report["tokens_per_s"] > 0 and report["bytes"] > 0
     assert set(report["layers"]) == {"0", "1", "3"} and report["num_clipped"] == 3
 
@@ -195,7 +195,7 @@ def test_bf16_close_to_float32_and_flagged_rows_skipped_by_config(model_dir, voc
     want = kept(rows, keep_flagged=False)
     records = list(load(str(tmp_path)))
     assert sorted(r["id"] for r in records) == sorted(want)
-    assert summary["num_skipped_flagged"] == sum(1 for r in rows if r["error"] is None and r["too_short"])
+    assert summary.num_skipped_flagged == sum(1 for r in rows if r["error"] is None and r["too_short"])
     for rec in records:
         assert rec["hidden_states"].dtype == torch.bfloat16
         hidden = reference(rec["input_ids"])
@@ -276,7 +276,7 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     os.remove(victim)
     os.remove(os.path.join(hs_dir, "_done", "f00000-r0000000008-0000000020.json"))
     summary = run_hidden_states(config)
-    assert summary["num_tokens_extracted"] == sum(before.column(schema.NUM_TOKENS).to_pylist())
+    assert summary.num_tokens_extracted == sum(before.column(schema.NUM_TOKENS).to_pylist())
     after = storage.read_shard(victim)
     assert after.drop_columns([schema.HIDDEN_STATES]).equals(before.drop_columns([schema.HIDDEN_STATES]))
     for a, b in zip(iter_records(after), iter_records(before)):
@@ -290,13 +290,13 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     # refused.
     capsys.readouterr()
     summary = run_hidden_states(config)
-    assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    assert summary.num_tokens_extracted == 0 and "nothing to do" in capsys.readouterr().out
     # No progress heartbeat outlives a run (a finished rerun used to leave one printing until the process exited).
     assert not [t.name for t in threading.enumerate() if t.name.startswith("progress-")]
     files = {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")}
     config.limit = 10
     summary = run_hidden_states(config)
-    assert summary["num_tokens_extracted"] == 0 and "nothing to do" in capsys.readouterr().out
+    assert summary.num_tokens_extracted == 0 and "nothing to do" in capsys.readouterr().out
     assert {n: os.path.getmtime(os.path.join(hs_dir, n)) for n in part_files(run) if n.endswith(".arrow")} == files
     assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
     config.limit = None
@@ -306,7 +306,7 @@ def test_limit_crash_and_rerun_keep_every_row_exactly_once(dense_dir, vocab_size
     # --allow-drift to smaller parts: every part is redone with the new settings; none of the old is kept as done.
     started = time.time()
     summary = run_hidden_states(hs_config(dense_dir, run, rows_per_shard=2), allow_drift=True)
-    assert summary["num_tokens_extracted"] > 0
+    assert summary.num_tokens_extracted > 0
     ids = [r["id"] for r in load(run)]
     assert sorted(ids) == sorted(kept(rows)) and len(ids) == len(set(ids))
     arrow = [n for n in part_files(run) if n.endswith(".arrow")]
@@ -352,7 +352,7 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
     assert new_parts and all(n.startswith(os.path.basename(last)[:-len(".arrow")]) for n in new_parts)
     assert sorted(i for n in new_parts for i in storage.read_shard(os.path.join(hs_dir, n)).column("id").to_pylist()) \
         == sorted(added)
-    assert summary["num_tokens_extracted"] > 0
+    assert summary.num_tokens_extracted > 0
     assert all(os.path.getmtime(os.path.join(hs_dir, n)) == t for n, t in before.items())
     assert "not finished" not in capsys.readouterr().out
     assert read_run_json(run, None)["hidden_states"]["status"] == "complete"
@@ -369,7 +369,7 @@ def test_s3_output_round_trips(dense_dir, vocab_size, s3_bucket):
     config.env_vars = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                   "AWS_REGION")}
     summary = run_hidden_states(config)
-    assert summary["shards"] and all(u.startswith(f"{run}/hidden_states/") for u in summary["shards"])
+    assert summary.shards and all(u.startswith(f"{run}/hidden_states/") for u in summary.shards)
     assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
 
 
@@ -472,7 +472,7 @@ def test_imports_are_light_and_the_core_runs_without_ray(dense_dir):
 
 def test_self_check_passes_on_every_worker_and_is_reported(float32_run):
     _, _, summary = float32_run
-    (check,) = summary["self_checks"]  # one worker
+    (check,) = summary.self_checks  # one worker
     assert check["num_samples"] == 4 and check["max_difference"] < check["tolerance"] == 1e-3
     assert set(check["max_difference_by_layer"]) == {"0", "1", "3"}
 

@@ -35,18 +35,15 @@ class CanaryFailed(stage.Verdict):
     """The first rows say the dataset would be useless; the message says what to check."""
 
 
-@dataclass
-class GenerateSummary:
-    output: str
+@dataclass(kw_only=True)
+class GenerateSummary(stage.StageSummary):
     num_rows_total: int
     num_rows_done_before: int
     num_rows: int = 0
     num_errors: int = 0
     num_output_tokens: int = 0
-    seconds: float = 0.0
     generation_seconds: float = 0.0
     already_complete: bool = False
-    shards: list[str] = field(default_factory=list)
     units_per_node: dict[str, int] = field(default_factory=dict)  # Ray node id → units its engines wrote
 
     @property
@@ -214,6 +211,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                                                  "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:
             write_report(config.output, config.storage, guard=held.fence.guard)
+            summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
         except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
             log.warning("the run is complete but its report could not be written (%s); "
                         "`python -m job report %s` makes it later", e, config.output)

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -162,6 +163,35 @@ def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = No
 
 
 
+@dataclass(kw_only=True)
+class HiddenStatesSummary(stage.StageSummary):
+    """What stage 2 returns, and stores as reports/hidden_states.json. Counts are over every unit's marker (this
+    invocation's and earlier ones'); `seconds`, `num_tokens_extracted` and the rates are this invocation's."""
+    model: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    num_rows: int = 0
+    num_samples: int = 0
+    num_errors: int = 0
+    num_skipped_flagged: int = 0
+    num_skipped_empty: int = 0
+    num_clipped: int = 0
+    num_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_parts: int = 0
+    padding_waste: float = 0.0
+    bytes: int = 0
+    num_tokens_extracted: int = 0
+    total_seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    feature_bytes_per_s: float = 0.0
+    bytes_written: int = 0
+    self_checks: list[dict] = field(default_factory=list)
+    layers: dict = field(default_factory=dict)
+    estimate: dict = field(default_factory=dict)
+
+
 USER_ERRORS = (HiddenStateCheckError, ConfigError)
 """Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
@@ -190,7 +220,7 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False) -> dict:
+def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False) -> HiddenStatesSummary:
     """Extract the hidden states of every kept completion row into `<output>/hidden_states/*.arrow`.
 
     Returns a summary (rows, tokens, tokens/s, bytes written, shard URIs, report path); the same goes to
@@ -267,10 +297,10 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
               f"{f'{total:,}' if total is not None else '?'} rows written): the hidden states of those "
               f"{len(units)} committed completion shards are done. Rerun `hidden-states` on this output when stage 1 "
               "has finished: it does only the shards added since.", flush=True)
-    print(f"hidden states: {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens, "
-          f"{len(summary['shards'])} shards, {format_bytes(summary['bytes'])}; this run: "
-          f"{summary['num_tokens_extracted']:,} tokens at {summary['tokens_per_s']:,.0f} tokens/s, padding "
-          f"{summary['padding_waste']:.1%} → {summary['report']}", flush=True)
+    print(f"hidden states: {summary.num_samples:,} samples, {summary.num_tokens:,} tokens, "
+          f"{len(summary.shards)} shards, {format_bytes(summary.bytes)}; this run: "
+          f"{summary.num_tokens_extracted:,} tokens at {summary.tokens_per_s:,.0f} tokens/s, padding "
+          f"{summary.padding_waste:.1%} → {summary.report}", flush=True)
     return summary
 
 
@@ -290,7 +320,7 @@ def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
 
 
 def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], hidden: int, estimate: dict,
-            this_run: dict, seconds: float, total_seconds: float, fence=None) -> dict:
+            this_run: dict, seconds: float, total_seconds: float, fence=None) -> "HiddenStatesSummary":
     """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
     out = _out_dir(config)
     with ThreadPoolExecutor(16) as pool:
@@ -313,22 +343,17 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
               for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
     tokens_now = this_run.get("num_tokens_extracted", 0)
     report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
-    summary = {
-        **totals,
-        "model": config.model, "layer_ids": layer_ids, "hidden_size": hidden, "dtype": config.hidden_states.dtype,
+    summary = HiddenStatesSummary(
+        **totals, output=config.output, model=config.model, layer_ids=layer_ids, hidden_size=hidden,
+        dtype=config.hidden_states.dtype,
         # Over the batches that ran (a resumed unit's marker counts only the parts it redid).
-        "padding_waste": 1 - totals_extracted / totals["num_padded_tokens"]
-        if totals["num_padded_tokens"] else 0.0,
-        "bytes": sum(shards.values()),
-        "num_tokens_extracted": tokens_now,
-        "seconds": seconds, "total_seconds": total_seconds,
-        "tokens_per_s": tokens_now / seconds if seconds else 0.0,
-        "feature_bytes_per_s": tokens_now * estimate["feature_bytes_per_token"] / seconds if seconds else 0.0,
-        "bytes_written": this_run.get("bytes_written", 0),
-        "self_checks": this_run.get("self_checks", []),
-        "layers": layers, "estimate": estimate, "shards": sorted(shards), "report": report_uri,
-    }
-    storage.write_json(report_uri, summary, config.storage, fence.guard if fence is not None else None)
+        padding_waste=1 - totals_extracted / totals["num_padded_tokens"] if totals["num_padded_tokens"] else 0.0,
+        bytes=sum(shards.values()), num_tokens_extracted=tokens_now, seconds=seconds, total_seconds=total_seconds,
+        tokens_per_s=tokens_now / seconds if seconds else 0.0,
+        feature_bytes_per_s=tokens_now * estimate["feature_bytes_per_token"] / seconds if seconds else 0.0,
+        bytes_written=this_run.get("bytes_written", 0), self_checks=this_run.get("self_checks", []),
+        layers=layers, estimate=estimate, shards=sorted(shards), report=report_uri)
+    storage.write_json(report_uri, asdict(summary), config.storage, fence.guard if fence is not None else None)
     return summary
 
 
