@@ -389,8 +389,8 @@ def test_hidden_state_summary(run_dir, rows, table):
     assert "checks: all passed" in text and f"[num_tokens, 4, {layout['hidden_size']}] bfloat16" in text
     assert jh.check_token_alignment(run_dir, rows) == []
     fig = jh.plot_layer_norms(summary)
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "1", "3"]
-    assert len(fig.axes[1].get_lines()) == 3
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "1", "2", "3"]
+    assert len(fig.axes[1].get_lines()) == 4  # one line per layer
     _renders(fig)
     assert jh.summarize_hidden_states(run_dir, max_samples=2)["num_samples"] == 2
 
