@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn samples: the loss on the generated turn only, or on every assistant turn of the "
                         "history too (default: what the trainer does itself: specforge every_assistant_turn, "
                         "speculators last_turn)")
+    e.add_argument("--model", metavar="DIR",
+                   help="the target model's directory on this machine (default: the path the run recorded); the "
+                        "export reads its config, tokenizer and final norm weight")
     e.add_argument("--draft-config", metavar="JSON",
                    help="your draft-model config: refused if its layer ids disagree with the export's (default: "
                         "a ready one is written into export.json)")
@@ -256,7 +259,8 @@ def _dispatch(args) -> int:
         draft_config = _read_json_file(args.draft_config, "--draft-config") if args.draft_config else None
         summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
                          draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size,
-                         loss_turns=args.loss_turns, draft_config=draft_config, storage_config=_storage(args))
+                         loss_turns=args.loss_turns, draft_config=draft_config, model=args.model,
+                         storage_config=_storage(args))
         reasons = "; ".join(f"{n} {r}" for r, n in summary["dropped_by_reason"].items())
         print(f"export: {summary['num_samples']:,} samples → {args.output} ({args.to} {args.format}); "
               f"dropped {summary['num_dropped']:,}" + (f": {reasons}" if reasons else "") +

@@ -56,8 +56,12 @@ LIMITS: dict[str, tuple[float | None, float | None]] = {
     "hidden_states.num_workers": (1, None),
     "hidden_states.check_tolerance": (1e-12, None),
     "hidden_states.max_rms": (1e-12, None),
-    "storage.num_retries": (1, None),
 }
+
+# Settings where null means "work it out" and 0 is no number of them: the refusal says so.
+NULL_MEANS = {"generate.num_engines": "null = one per GPU", "generate.max_engines": "null = the start size",
+              "generate.max_rows_in_flight": "null = 2 x max_num_seqs",
+              "hidden_states.num_workers": "null = one per GPU", "limit": "null = every row"}
 
 
 # Settings where 0 switches something off: the refusal of a negative value says so.
@@ -92,7 +96,8 @@ def check_fields(obj, section: str) -> None:
         if (low is not None and value < low) or (high is not None and value > high):
             allowed = f"between {low} and {high}" if high is not None else \
                 "> 0" if 0 < low < 1e-6 else f">= {low}"
-            zero = f" ({ZERO_MEANS[key]})" if key in ZERO_MEANS else ""
+            hint = ZERO_MEANS.get(key) or NULL_MEANS.get(key)
+            zero = f" ({hint})" if hint else ""
             raise ConfigError(f"config: {key} must be {allowed}{zero}, got {value!r}")
 
 

@@ -100,9 +100,10 @@ def redact_text(text: str) -> str:
     def key_value(m: re.Match) -> str:
         if m["value"] == REDACTED or not is_secret_name(m["key"]):
             return m[0]
-        if m["sep"].strip() == ":" and m["sep"] != ":" and len(m["value"]) < 8:
-            # "name: word" with a space is prose as often as YAML ("no loss-mask token: an empty completion" lost
-            # its "an"); a secret is longer than a word of prose. "name=value" and "name:value" stay redacted.
+        if m["sep"].strip() == ":" and m["sep"] != ":" and m["value"].isalpha() and m["value"].islower() and \
+                len(m["value"]) <= 4:
+            # "name: word" with a space is prose as often as YAML: "no loss-mask token: an empty completion" lost its
+            # "an". Only a short lowercase word is let through; "password: hunter2" stays redacted.
             return m[0]
         return f"{m['key']}{m['sep']}{m['quote']}{REDACTED}"
 

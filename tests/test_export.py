@@ -312,6 +312,11 @@ def test_final_norm_applied_by_the_export_equals_the_model_s(runs, tmp_path):
         if fmt == "eagle3":  # and the stored (pre-norm) layer really differs: the norm was applied, not skipped
             pre = ours(by_norm[True])[ids_in_order(outs[True])[0]]["hidden_states"][:, 3]
             assert not torch.equal(read[True]["rows_0-2000/data_0.ckpt"][key][0], pre)
+    # The export reads the target (config, tokenizer, norm weight): where the run's path is not on this machine it
+    # says which flag gives it, and writes nothing.
+    with pytest.raises(ExportError, match="pass --model DIR"):
+        export(by_norm[True], to="speculators", format="eagle3", output=str(tmp_path / "nomodel"), model="/no/model")
+    assert not (tmp_path / "nomodel").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -504,7 +504,9 @@ def test_storage_projection(run_dir, stage1_dir, rows, table):
     half = jh.storage_projection(run_dir, rows.slice(0, NUM_ROWS // 2))
     assert half["rows_total"] == NUM_ROWS and half["projected_tokens"] == round(
         half["tokens_kept_so_far"] / (NUM_ROWS // 2) * NUM_ROWS)
-    assert ji.format_bytes(1541) == "1.5 KB" and ji.format_bytes(999) == "999 B" and ji.format_bytes(None) == "?"
+    from job.formatting import format_bytes
+
+    assert format_bytes(1541) == "1.5 KB" and format_bytes(999) == "999 B" and format_bytes(None) == "?"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from job.redaction import REDACTED, redact, redact_text
 # Every shape of secret the issue names (fake values, the right form), each with the text around it.
 SHAPES = {
     "yaml password": ("password: hunter2-but-longer", "hunter2-but-longer"),
+    "yaml short password": ("password: hunter2", "hunter2"),
     "passphrase by name": ("SIGNING_PASSPHRASE=correct-horse-battery-staple", "correct-horse-battery-staple"),
     "azure connection string": ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey="
                                 "Zm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9vYmFyZm9v"

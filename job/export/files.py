@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from collections import Counter
 from typing import Iterator
 
@@ -133,12 +134,14 @@ def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
 
 def export(run: str, *, to: str, format: str, output: str, layers: list[int] | None = None,
            draft_vocab_size: int | None = None, target_vocab_size: int | None = None, loss_turns: str | None = None,
-           draft_config: dict | None = None, storage_config: storage.StorageConfig | None = None) -> dict:
+           draft_config: dict | None = None, model: str | None = None,
+           storage_config: storage.StorageConfig | None = None) -> dict:
     """Write a run in a trainer's format under `output` (local or s3://); returns the manifest also written to
     `output/export.json` (job/export/manifest.py: the target, layer ids in both conventions, norm, dtype, counts and
     a ready draft-model config). File names are deterministic and each is written atomically: a rerun rewrites the
     same files, never a second copy. `draft_config`: the user's own draft-model config, refused (before anything is
-    written) when its layer ids disagree with the export's; default: one made for this export."""
+    written) when its layer ids disagree with the export's; default: one made for this export. `model`: the target's
+    directory on this machine (default: the path the run recorded)."""
     inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
     if output.rstrip("/") == run.rstrip("/") or inside:
         raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
@@ -148,7 +151,12 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
-    layer_ids, num_layers, before_norm, model, dtype = _run_layout(shard_uris, storage_config)
+    layer_ids, num_layers, before_norm, stored_model, dtype = _run_layout(shard_uris, storage_config)
+    model = model or stored_model
+    if not os.path.isdir(model):
+        raise ExportError(f"export: the run's target model {model!r} is not a directory on this machine; the export "
+                          "reads its config (the draft config), its tokenizer (the loss on every assistant turn) and "
+                          "its final norm weight: pass --model DIR (the same model, where it is here)")
     plan = with_final_norm(make_plan(to, format, layer_ids, num_layers, before_norm, layers, model=model,
                                      dtype=dtype, loss_turns=loss_turns))
     if to == "specforge" and format == "eagle3":

@@ -126,12 +126,15 @@ def _forget_stale(config: RunConfig, units: list[HiddenStateUnit], orphans: list
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _identity(config: RunConfig, layer_ids: list[int]) -> dict:
+def _identity(config: RunConfig, layer_ids: list[int], num_layers: int) -> dict:
     """What must not change when stage 2 resumes into the same shards."""
     hs = config.hidden_states
+    # The norm side matters only when the last layer is stored. Recorded as false otherwise, what a run made before
+    # the default became true recorded: such a run (DFlash's layers, say) resumes instead of being refused.
+    last_stored = num_layers - 1 in layer_ids
     return {"model": config.model, "layer_ids": layer_ids, "dtype": hs.dtype, "max_length": hs.max_length,
             "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend,
-            "last_layer_before_norm": hs.last_layer_before_norm}
+            "last_layer_before_norm": hs.last_layer_before_norm and last_stored}
 
 
 
@@ -245,7 +248,7 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
     if previous.get("config", {}).get("model") not in (None, config.model):
         print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
               flush=True)
-    ident = _identity(config, layer_ids)
+    ident = _identity(config, layer_ids, num_layers)
     changed = stage.check_identity(previous, STAGE, ident, allow_drift,
                                    consequence="mix features made two ways in one output")
 

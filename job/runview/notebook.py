@@ -137,7 +137,7 @@ def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: St
 
 def flag_rates(report: dict) -> list[tuple[str, int, float]]:
     """(name, count, rate) per quality flag (share of non-error rows), then `error` (share of all rows), from
-    `job.report.build_report`: the notebook and `python -m job report` show the same numbers."""
+    `job.generate.report.build_report`: the notebook and `python -m job report` show the same numbers."""
     out = [(flag, v["count"], v["rate"]) for flag, v in report["flags"].items()]
     done = report["rows_done"]
     out.append(("error", report["rows_error"], report["rows_error"] / done if done else 0.0))
