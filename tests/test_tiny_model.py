@@ -98,7 +98,7 @@ def test_tokenizer_special_tokens(tokenizer):
 
 
 def test_chat_template_renders_the_thinking_prompt(tiny_model_dir, tokenizer):
-    shipped = (Path(__file__).resolve().parents[1] / "job" / "fixtures" / "data" / "chat_template.jinja").read_text()
+    shipped = (Path(__file__).resolve().parents[1] / "job" / "builtin" / "data" / "chat_template.jinja").read_text()
     assert tokenizer.chat_template == shipped
     assert (Path(tiny_model_dir) / "chat_template.jinja").read_text() == shipped
 
