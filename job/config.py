@@ -123,7 +123,7 @@ class QualityConfig:
         check_fields(self, "quality")
 
 
-REGENERATE_MODES = ("last_turn", "every_assistant_turn")
+REGENERATE_MODES = ("last_turn", "every_assistant_turn", "none")
 
 
 @dataclass(kw_only=True)
@@ -142,7 +142,12 @@ class GenerateConfig:
     assistant turn after the last message (a trailing assistant message in the data is dropped and regenerated).
     `every_assistant_turn`: one output row per assistant turn of the data (plus one after a final user or tool
     message), each generated on the history before it as the data has it; ids become "{id}#{turn}". Both keep
-    the turn index (`turn`) and the data's own length of that turn (`original_turn_tokens`)."""
+    the turn index (`turn`) and the data's own length of that turn (`original_turn_tokens`).
+    `none`: nothing is generated and no engine is started: each row's completion is the data's OWN last assistant
+    turn, tokenized as the chat template renders the whole conversation (prompts.data_turn_ids), with
+    finish_reason "data" and the usual quality flags. The baseline most teams train on, made into a run stage 2
+    reads like any other (bench/bench_acceptance.py compares drafters trained on it and on regenerated data). A row
+    that does not end with an assistant turn is a row error."""
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
     per_request_seed: bool | None = None

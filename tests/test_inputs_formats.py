@@ -363,3 +363,46 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
     assert set(samples) == {r["id"] for r in good}
     for r in good:
         assert samples[r["id"]]["input_ids"].tolist() == r["prompt_token_ids"] + r["output_token_ids"]
+
+
+def test_regenerate_none_keeps_the_data_s_own_turns(tmp_path, make_config, tokenizer, local_ray):
+    """`generate.regenerate: none` (the baseline teams train on: their data's own answers): no engine, each row's
+    completion is its last assistant turn as the chat template renders the whole conversation, and stage 2 makes
+    its hidden states like any run's. Rows without a final answer are row errors naming why. ~20 s: no engine."""
+    from job.generate import run_generate
+    from job.hidden_states import load, run_hidden_states
+
+    rows = conversation_rows(8)  # prompts and a ShareGPT chat waiting for an answer; chats and traces ending in one
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(jsonl_text(rows))
+    config = make_config(input=str(inp), output=str(tmp_path / "run"),
+                         **{"generate.rows_per_shard": 4, "generate.regenerate": "none",
+                            "hidden_states.layer_ids": [0, -1], "hidden_states.rows_per_shard": 16})
+    summary = run_generate(config)
+    assert summary.num_rows == len(rows)
+    table = read_run(config.output)
+    assert sorted(table.column("id").to_pylist()) == sorted(r["id"] for r in rows), "every id exactly once"
+    kept = []
+    for row in table.to_pylist():
+        source = rows[[r["id"] for r in rows].index(row["id"])]
+        messages = prompts.row_messages(source)
+        if messages[-1]["role"] != "assistant":
+            assert row["error"] == (f"generate.regenerate: none keeps the data's own last assistant turn, and this "
+                                    f"conversation ends with a {messages[-1]['role']} message: there is no answer "
+                                    "to keep"), row["error"]
+            continue
+        assert row["error"] is None, row["error"]
+        # The whole conversation, rendered by the template, is exactly prompt + output (+ the template's newline).
+        whole = tokenizer.apply_chat_template(messages, tools=prompts.row_tools(source), tokenize=False)
+        assert tokenizer.decode(row["prompt_token_ids"] + row["output_token_ids"]) + "\n" == whole
+        assert tokenizer.decode(row["output_token_ids"]) == messages[-1]["content"] + "<|im_end|>"
+        assert tokenizer.decode(row["prompt_token_ids"]).endswith("<|im_start|>assistant\n")
+        assert row["finish_reason"] == "data" and row["seed"] is None and not row["template_mismatch"]
+        kept.append(row)
+    assert len(kept) == 4 and {r["id"][:2] for r in kept} == {"c0"}
+
+    run_hidden_states(config)
+    samples = {s["id"]: s for s in load(config.output)}
+    assert set(samples) == {r["id"] for r in kept}
+    for r in kept:
+        assert samples[r["id"]]["input_ids"].tolist() == r["prompt_token_ids"] + r["output_token_ids"]

@@ -220,7 +220,9 @@ class CompletionGenerator:
         # Before the heavy imports: a node without the model fails in seconds. `load_format: dummy` (benchmarks)
         # needs no weight files.
         dummy = config.get("engine_kwargs", {}).get("load_format") == "dummy"
-        missing = model_missing_here(config["model"], needs_weights=not dummy)
+        # `generate.regenerate: none` keeps the data's own turns: the tokenizer only, no engine, no weights.
+        self.keep_data = config.get("generate", {}).get("regenerate") == prompts.NONE
+        missing = model_missing_here(config["model"], needs_weights=not dummy and not self.keep_data)
         if missing:
             raise EngineStartError(missing)
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -244,6 +246,26 @@ class CompletionGenerator:
             first = (str(e).strip().splitlines() or [""])[0]
             raise EngineStartError(f"the tokenizer of model {self.config.model} could not be loaded on "
                                    f"{socket.gethostname()}: {type(e).__name__}: {first}") from None
+        self.expected_generation_prompt = quality.generation_prompt_ids(
+            self.tokenizer, enable_thinking=gen.enable_thinking, chat_template_kwargs=gen.chat_template_kwargs)
+        self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
+        if self.think_end_id == self.tokenizer.unk_token_id:
+            self.think_end_id = None
+        self.special_ids = set(self.tokenizer.all_special_ids) | {
+            i for i in (self.think_end_id, self.tokenizer.convert_tokens_to_ids("<think>")) if i is not None}
+        # Watchdog state: requests in flight and the last time one finished.
+        self.num_in_flight = 0
+        self.last_progress = time.monotonic()
+        self.watchdog: asyncio.Task | None = None
+        self.gate: asyncio.Semaphore | None = None  # created in the event loop that runs the calls
+        self.use_seed = False
+        if self.keep_data:
+            self.engine, self.max_model_len = None, None
+            self.max_rows_in_flight = gen.max_rows_in_flight or 256  # no engine to keep full: any number will do
+            return
+        self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
+
+    def _start(self, gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind) -> None:
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
                                        resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform())
         if problem:
@@ -263,7 +285,6 @@ class CompletionGenerator:
         self.max_model_len = self.engine.model_config.max_model_len
         max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
         self.max_rows_in_flight = gen.max_rows_in_flight or 2 * max_num_seqs
-        self.gate: asyncio.Semaphore | None = None  # created in the event loop that runs the calls
 
         sampling = resolved_sampling(self.config.model, gen.sampling)
         # We split and decode the output ourselves once at the end; vLLM's incremental detokenizer would decode
@@ -273,19 +294,6 @@ class CompletionGenerator:
         self.sampling_kwargs = sampling
         self.SamplingParams = SamplingParams
         self.use_seed = gen.per_request_seed if gen.per_request_seed is not None else is_gpu_platform()
-
-        self.expected_generation_prompt = quality.generation_prompt_ids(
-            self.tokenizer, enable_thinking=gen.enable_thinking, chat_template_kwargs=gen.chat_template_kwargs)
-        self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
-        if self.think_end_id == self.tokenizer.unk_token_id:
-            self.think_end_id = None
-        self.special_ids = set(self.tokenizer.all_special_ids) | {
-            i for i in (self.think_end_id, self.tokenizer.convert_tokens_to_ids("<think>")) if i is not None}
-
-        # Watchdog state: requests in flight and the last time one finished.
-        self.num_in_flight = 0
-        self.last_progress = time.monotonic()
-        self.watchdog: asyncio.Task | None = None
 
     def _start_engine(self, AsyncLLM, engine_args):
         """Start the engine, giving up after `generate.engine_start_timeout_s`: an engine that hangs while starting
@@ -404,11 +412,14 @@ class CompletionGenerator:
         row_id = target.id
         result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
         result[schema.ID] = row_id
+        template = dict(chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
+                        chat_template_kwargs=gen.chat_template_kwargs, tools=tools)
         try:
-            prompt_ids = prompts.render_prompt_ids(
-                self.tokenizer, target.history, chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
-                chat_template_kwargs=gen.chat_template_kwargs, tools=tools)
-            if len(prompt_ids) >= self.max_model_len:
+            if self.keep_data:
+                prompt_ids, output_ids = prompts.data_turn_ids(self.tokenizer, target, **template)
+            else:
+                prompt_ids = prompts.render_prompt_ids(self.tokenizer, target.history, **template)
+            if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
                 raise prompts.RowError(f"prompt too long: {len(prompt_ids)} tokens, the model allows "
                                        f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         except prompts.RowError as e:
@@ -421,6 +432,8 @@ class CompletionGenerator:
         if target.original is not None:
             result[schema.ORIGINAL_TURN_TOKENS] = len(self.tokenizer(prompts.original_turn_text(target.original),
                                                                      add_special_tokens=False)["input_ids"])
+        if self.keep_data:  # the data's own turn: nothing to generate
+            return self._completed(result, prompt_ids, output_ids, "data", None)
 
         seed = prompts.row_seed(gen.seed, row_id)
         params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))
@@ -435,7 +448,6 @@ class CompletionGenerator:
         from vllm.inputs import TokensPrompt  # heavy: imported on use
         from vllm.v1.engine.exceptions import EngineDeadError  # heavy: imported on use
 
-        gen = self.config.generate
         row_id = result[schema.ID]
         if self.num_in_flight == 0:  # the watchdog measures from the moment work arrives, not from idle time
             self.last_progress = time.monotonic()
@@ -452,25 +464,35 @@ class CompletionGenerator:
             self.num_in_flight -= 1
             self.last_progress = time.monotonic()
         completion = final.outputs[0]
-        output_ids = list(completion.token_ids)
+        return self._completed(result, prompt_ids, list(completion.token_ids), completion.finish_reason,
+                               seed if self.use_seed else None)
+
+    def _completed(self, result: dict[str, Any], prompt_ids: list[int], output_ids: list[int],
+                   finish_reason: str | None, seed: int | None) -> dict[str, Any]:
+        """The completion row: the token ids, their split at `</think>`, counts and quality flags."""
+        gen = self.config.generate
+        # The data's own turn holds a think block only if it has one (it follows the template's prompt, not ours).
+        thinking = gen.enable_thinking and (not self.keep_data or self.think_end_id in output_ids)
         reasoning, answer, n_reasoning, n_answer, closed = prompts.split_completion(
-            self.tokenizer, output_ids, self.think_end_id, gen.enable_thinking)
+            self.tokenizer, output_ids, self.think_end_id, thinking)
         result.update({
             schema.PROMPT_TOKEN_IDS: prompt_ids,
             schema.OUTPUT_TOKEN_IDS: output_ids,
             schema.REASONING: reasoning,
             schema.ANSWER: answer,
-            schema.FINISH_REASON: completion.finish_reason,
+            schema.FINISH_REASON: finish_reason,
             schema.NUM_PROMPT_TOKENS: len(prompt_ids),
             schema.NUM_OUTPUT_TOKENS: len(output_ids),
             schema.NUM_REASONING_TOKENS: n_reasoning,
             schema.NUM_ANSWER_TOKENS: n_answer,
-            schema.SEED: seed if self.use_seed else None,
+            schema.SEED: seed,
         })
         result.update(quality.row_flags(
-            prompt_ids=prompt_ids, output_ids=output_ids, finish_reason=completion.finish_reason,
-            think_closed=closed, answer=answer, thinking=gen.enable_thinking,
-            expected_generation_prompt=self.expected_generation_prompt, special_ids=self.special_ids,
+            prompt_ids=prompt_ids, output_ids=output_ids, finish_reason=finish_reason,
+            think_closed=closed, answer=answer, thinking=thinking,
+            # A kept turn's prompt is the template's own rendering of the conversation: nothing to compare.
+            expected_generation_prompt=[] if self.keep_data else self.expected_generation_prompt,
+            special_ids=self.special_ids,
             config=self.config.quality))
         return result
 

@@ -26,7 +26,7 @@ MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "observation": "tool", "function_response": "tool"}
-LAST_TURN, EVERY_ASSISTANT_TURN = "last_turn", "every_assistant_turn"
+LAST_TURN, EVERY_ASSISTANT_TURN, NONE = "last_turn", "every_assistant_turn", "none"
 
 
 class RowError(ValueError):
@@ -174,7 +174,7 @@ class Target:
 
 def regeneration_targets(row_id: str, messages: list[dict[str, Any]], mode: str) -> list[Target]:
     """The completions a conversation yields under `generate.regenerate` (see GenerateConfig.regenerate)."""
-    if mode == LAST_TURN:
+    if mode in (LAST_TURN, NONE):  # `none` keeps the very turn `last_turn` would regenerate
         if messages[-1]["role"] == "assistant":
             history, original = messages[:-1], messages[-1]
         else:
@@ -226,6 +226,34 @@ def render_prompt_ids(tokenizer, messages: list[dict], *, chat_template: str | N
         **chat_template_kwargs,
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def data_turn_ids(tokenizer, target: Target, *, chat_template: str | None, enable_thinking: bool,
+                  chat_template_kwargs: dict, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """`generate.regenerate: none`: (prompt ids, output ids) of the data's OWN last assistant turn, as a team that
+    trains on its data without regenerating renders it: the whole conversation through the chat template. The
+    prompt is the longest token prefix that this rendering shares with the history's generation prompt (the role
+    header `<|im_start|>assistant\n`, and `<think>\n` too if the turn starts with it); the output is the rest,
+    up to the turn's last special token (the template's trailing newline is not part of the turn)."""
+    if target.original is None:
+        raise RowError(f"generate.regenerate: none keeps the data's own last assistant turn, and this conversation "
+                       f"ends with a {target.history[-1]['role']} message: there is no answer to keep")
+    common = dict(tools=tools, chat_template=chat_template, tokenize=False, enable_thinking=enable_thinking,
+                  **chat_template_kwargs)
+    full = tokenizer(tokenizer.apply_chat_template(target.history + [target.original], add_generation_prompt=False,
+                                                   **common), add_special_tokens=False)["input_ids"]
+    prompt = render_prompt_ids(tokenizer, target.history, chat_template=chat_template, enable_thinking=enable_thinking,
+                               chat_template_kwargs=chat_template_kwargs, tools=tools)
+    n = 0
+    while n < min(len(full), len(prompt)) and full[n] == prompt[n]:
+        n += 1
+    output = full[n:]
+    while output and not tokenizer.decode(output[-1:]).strip():  # the newline the template puts after a turn
+        output.pop()
+    if not output:
+        raise RowError("generate.regenerate: none: the chat template renders nothing after the prompt for the "
+                       "data's last assistant turn (an empty answer)")
+    return full[:n], output
 
 
 def row_seed(run_seed: int, row_id: str) -> int:

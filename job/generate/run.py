@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from job import cluster, layout, progress, redaction, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
-from job.generate import inputs, quality
+from job.generate import inputs, prompts, quality
 from job.generate.units import count_done_rows, pending_units, wanted_ranges
 from job.generate.engine import CompletionGenerator, EngineStartError, resolved_sampling, text_only_engine_kwargs
 from job.generate.report import write_report
@@ -247,7 +247,8 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
         min_actors=engines[0], max_actors=engines[1],
         # An engine keeps itself full from several units at once (its admission gate, see engine.py).
         units_per_actor=config.generate.units_in_flight_per_engine,
-        gpus_per_actor=config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) else 0,
+        gpus_per_actor=config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0)
+        and config.generate.regenerate != prompts.NONE else 0,  # `none` starts no engine
         max_retries=-1,  # a dead engine kills its actor (see engine.py): restart it and retry its units, forever
         runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})  # secrets: at construction (engine.py)
 
