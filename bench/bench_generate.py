@@ -63,7 +63,7 @@ def _token_prompts(config):
 
 
 def _sampling(config):
-    from job.generate.engine import resolved_sampling
+    from job.generate.engine_start import resolved_sampling
 
     s = resolved_sampling(config.model, config.generate.sampling)
     s["detokenize"] = False  # as stage 1 does; the text is decoded once afterwards by every contender

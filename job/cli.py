@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     from job.generate import CanaryFailed  # per command: --help stays fast
-    from job.generate.engine import EngineStartError  # per command: --help stays fast
+    from job.generate.engine_start import EngineStartError  # per command: --help stays fast
     from job.generate.inputs import InputError  # per command: --help stays fast
     from job.hidden_states import HiddenStateCheckError  # per command: --help stays fast
     from job.runs import RunError  # per command: --help stays fast

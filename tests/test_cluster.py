@@ -31,7 +31,7 @@ from conftest import read_run, simple_prompts
 
 from job import storage
 from job.config import ConfigError, load_config
-from job.generate.engine import EngineStartError
+from job.generate.engine_start import EngineStartError
 from job.generate import run_generate
 from job.hidden_states import load, run_hidden_states
 

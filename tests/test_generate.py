@@ -13,7 +13,7 @@ from conftest import (BAD_ROWS, DEMO_CONFIG, check_completions, read_run, shared
                       simple_prompts, write_prompts)
 
 from job.config import load_config
-from job.generate.engine import EngineStartError
+from job.generate.engine_start import EngineStartError
 from job.generate import run_generate
 
 

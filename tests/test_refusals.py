@@ -168,7 +168,7 @@ def test_an_engine_that_cannot_start_ends_the_run_once_with_vllms_own_reason(tmp
 
     from vllm import EngineArgs
 
-    from job.generate.engine import why_engine_failed
+    from job.generate.engine_start import why_engine_failed
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_dir, broken)

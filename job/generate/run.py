@@ -24,7 +24,8 @@ from job import cluster, layout, progress, redaction, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
 from job.generate import inputs, prompts, quality
 from job.generate.units import count_done_rows, pending_units, wanted_ranges
-from job.generate.engine import CompletionGenerator, EngineStartError, resolved_sampling, text_only_engine_kwargs
+from job.generate.engine import CompletionGenerator
+from job.generate.engine_start import EngineStartError, resolved_sampling, text_only_engine_kwargs
 from job.generate.report import write_report
 from job.lock import FencedOut
 

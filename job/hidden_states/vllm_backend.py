@@ -12,7 +12,7 @@ import numpy as np
 
 from job import schema, target
 from job.config import resolve_layer_ids
-from job.generate.engine import text_only_engine_kwargs
+from job.generate.engine_start import text_only_engine_kwargs
 from job.hidden_states.checks import FeatureStats, check_features
 from job.hidden_states.samples import BufferPool, PartFeatures, RunStats, Sample
 
