@@ -85,3 +85,95 @@ def test_every_export_of_the_demo_run_trains(shared_run, tmp_path):
     assert main(["export", shared_run.full, "--to", "specforge", "--format", "dflash", "--output", str(out),
                  "--draft-config", str(bad)]) == 2
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The acceptance measurement (issue 30, bench/bench_acceptance.py): its counting proven on known answers, then on
+# the shared run's export with speculators' own draft and forward.
+# ---------------------------------------------------------------------------------------------------------------
+KNOWN_ANSWERS = r'''
+import torch
+from job.trainers import acceptance as acc
+
+torch.manual_seed(0)
+T, V, K = 40, 11, 5
+target = torch.randn(T, V) * 3
+loss_mask = torch.tensor([0] * 4 + [1] * 14 + [0] * 3 + [1] * 19)   # two samples: prompt 4 + 14, prompt 3 + 19
+docs = torch.tensor([0] * 18 + [1] * 22)
+valid = acc.chain_valid(loss_mask, docs, K)
+# Chains start inside a completion only, and never draft past their sample's last token.
+assert valid[:, 0].tolist() == [i not in (17, 39) and bool(loss_mask[i]) for i in range(T)], valid[:, 0]
+assert valid[16].tolist() == [True] + [False] * 4 and valid[4].tolist() == [True] * 5
+always = acc.known_answer(valid)
+blocks = int(valid[:, 0].sum())
+assert blocks == 31 and always[0] == 2.0, always
+# By hand: a chain starting at completion position i of a sample with n tokens after it drafts min(k, n) slots.
+by_hand = [1 + sum(min(k, n) for n in list(range(13, 0, -1)) + list(range(18, 0, -1))) / 31 for k in range(1, 6)]
+assert all(abs(a - b) < 1e-4 for a, b in zip(always, by_hand)), (always, by_hand)
+sampling = {"temperature": 1.0, "top_k": None, "top_p": None}
+
+def score(steps):
+    c = acc.Counts(K)
+    c.add(steps, target, valid, sampling)
+    return c.result()
+
+itself = score([target[j:] for j in range(K)])
+assert itself["greedy_tau"] == always and max(abs(a - b) for a, b in zip(itself["sampled_tau"], always)) < 1e-4
+wrong = [target[j:].scatter(-1, target[j:].argmax(-1, keepdim=True), -1e9) for j in range(K)]
+assert score(wrong)["greedy_tau"] == [1.0] * K
+two = score([target[j:] if j < 2 else wrong[j] for j in range(K)])  # right on the first two slots only
+assert [round(t, 4) for t in two["greedy_tau"]] == [always[0], always[1]] + [always[1]] * 3, two
+uniform = score([torch.zeros(T - j, V) for j in range(K)])
+alpha = torch.minimum(torch.softmax(target, -1), torch.full((T, V), 1 / V)).sum(-1)[valid[:, 0]]
+assert abs(uniform["sampled_tau"][0] - (1 + float(alpha.mean()))) < 1e-4, uniform
+# top-k / top-p keep what a sampler keeps: top_k 1 is greedy, so Σ min(p, q) is 1 where the argmaxes agree.
+greedy_sampling = {"temperature": 1.0, "top_k": 1, "top_p": None}
+c = acc.Counts(K)
+c.add([target[j:] if j < 2 else wrong[j] for j in range(K)], target, valid, greedy_sampling)
+assert [round(t, 4) for t in c.result()["sampled_tau"]] == [round(t, 4) for t in two["greedy_tau"]]
+p = acc.sampling_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 1.0, None, 0.7)
+assert (p[0] > 0).tolist() == [True, True, False, False] and abs(float(p.sum()) - 1) < 1e-6
+print("known answers: ok")
+'''
+
+ON_THE_EXPORT = r'''
+import json, sys
+from job.trainers import acceptance as acc, speculators_train as st
+
+export = sys.argv[1]
+manifest = json.load(open(export + "/export.json"))
+args = st.resolve_args(export, manifest, manifest["draft_config"], sys.argv[2], ttt_steps=5, epochs=1)
+_, model = st.build_model(args)
+_, val_kwargs = type(model).get_trainer_kwargs(**vars(args))
+loader = st.data_loader(args, model, export)
+sampling = acc.target_sampling(manifest["model"])
+r = acc.evaluate(model, loader, 5, sampling, val_kwargs, max_batches=12)
+print(json.dumps(r))
+'''
+
+
+@pytest.mark.slow
+def test_acceptance_is_counted_right(shared_run, tmp_path):
+    """The acceptance loop on known answers (the target as its own drafter accepts every slot that exists; a
+    drafter right on the first two slots only; a uniform one: Σ min(p, 1/V)), then speculators' own EAGLE-3 draft
+    on the shared run's export: the target as drafter is always right there too, and the greedy τ equals the one
+    the trainer's own per-step conditional accuracies give. ~30 s (12 batches)."""
+    trainers_environment()
+    from job.cli import main
+
+    run = lambda code, *argv: subprocess.run([str(TRAINERS_PYTHON), "-c", code, *argv], cwd=REPO,  # noqa: E731
+                                             capture_output=True, text=True, timeout=600)
+    proc = run(KNOWN_ANSWERS)
+    assert proc.returncode == 0 and "known answers: ok" in proc.stdout, proc.stderr[-3000:]
+
+    out = str(tmp_path / "eagle3")
+    assert main(["export", shared_run.full, "--to", "speculators", "--format", "eagle3", "--output", out]) == 0
+    proc = run(ON_THE_EXPORT, out, str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["draft"]["blocks"] == r["target_as_drafter"]["blocks"] > 500, r
+    assert [round(t, 3) for t in r["target_as_drafter"]["greedy_tau"]] == [round(t, 3) for t in r["always_right"]]
+    assert max(abs(a - b) for a, b in zip(r["target_as_drafter"]["sampled_tau"], r["always_right"])) < 1e-3
+    assert max(abs(a - b) for a, b in zip(r["draft"]["greedy_tau"], r["trainer_cond_acc_tau"])) < 2e-3, r
+    assert all(1.0 <= t <= a for t, a in zip(r["draft"]["sampled_tau"], r["always_right"])), r
+    assert 0 < r["data_is_target_argmax"] <= 1

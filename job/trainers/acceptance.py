@@ -124,7 +124,7 @@ def known_answer(valid: torch.Tensor) -> list[float]:
 # The drafting: speculators' own forward, its logits captured
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict) -> dict:
+def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict, max_batches: int | None = None) -> dict:
     """Score `model` (a speculators Eagle3DraftModel) on every batch of `loader` (its own loader over a held-out
     export), called with the trainer's validation kwargs `call_kwargs` (its loss config) and `ttt_steps = k`: τ for the draft, for the target as its own drafter, and how often the data's next token is the
     target's argmax (1.0 on greedy data made by the same numerics; on sampled data, how predictable the target is)."""
@@ -137,7 +137,9 @@ def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict) ->
     known = []
     model.eval()
     try:
-        for batch in loader:
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
             captured["draft"].clear()
             captured["target"].clear()
             batch = {key: v for key, v in batch.items() if key != "error_records"}
@@ -199,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-greedy", required=True, help="held-out export of the target's greedy completions")
     parser.add_argument("--eval-sampled", required=True, help="held-out export of the target's sampled completions")
     parser.add_argument("--k", type=int, default=5, help="draft tokens (default 5); also the training TTT steps")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--total-seq-len", type=int, default=512,
+                        help="tokens per packed batch; longer samples are cut there by speculators' sampler (the "
+                             "tiny target's long tail: ~5%% of samples)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSON file for the results")
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{manifest['format']}")
         sampling = target_sampling(manifest["model"])
         started = time.monotonic()
-        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, epochs=max(args.epochs, 1))
+        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, epochs=max(args.epochs, 1),
+                         total_seq_len=args.total_seq_len)
         work = tempfile.mkdtemp(prefix=f"acceptance-{name}-")
         if name == "untrained":
             sp_args = speculators_train.resolve_args(export_dir, manifest, manifest["draft_config"], work, **overrides)
