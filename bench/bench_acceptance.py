@@ -92,18 +92,19 @@ def write_prompts(out: str, num_train: int, num_eval: int, seed: int) -> tuple[s
                                 "train_prompts": num_train, "eval_prompts": num_eval}
 
 
-def make_run(name: str, inp: str, out: str, **overrides) -> dict:
-    """Stage 1 and stage 2 through the project's own entry points, on the demo config; returns their figures."""
+def make_run(name: str, inp: str, out: str, data_seed: int, **overrides) -> dict:
+    """Stage 1 and stage 2 through the project's own entry points, on the demo config (a run already there
+    resumes). Its figures are read from the run afterwards (completion_stats), the same for a resumed run."""
     config = load_config(DEFAULT_CONFIG, model=MODEL, input=inp, output=os.path.join(out, "runs", name),
-                         **{"generate.rows_per_shard": 64, **overrides})
+                         **{"generate.rows_per_shard": 64, "engine_kwargs.seed": data_seed, **overrides})
     started = time.monotonic()
-    gen = run_generate(config)
+    run_generate(config)
     run_hidden_states(config)
-    return {"run": config.output, "rows": gen.num_rows, "errors": gen.num_errors,
-            "output_tokens": gen.num_output_tokens, "seconds": round(time.monotonic() - started, 1)}
+    return {"run": config.output, "seconds": round(time.monotonic() - started, 1)}
 
 
 def export(run_dir: str, out: str) -> str:
+    shutil.rmtree(out, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "job", "export", run_dir, "--to", "speculators", "--format", "eagle3",
                     "--output", out], check=True, stdout=subprocess.DEVNULL)
     return out
@@ -121,13 +122,13 @@ def completion_stats(run_dir: str) -> dict:
             "unclosed_think": sum(bool(r["unclosed_think"]) for r in ok)}
 
 
-def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str, seed: int, epochs: int,
+def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str, seed: int, steps: int,
                     lr: float, k: int) -> dict:
     """One draft per training set (and the untrained floor), in the trainers' environment."""
     result = os.path.join(out, f"scores-seed{seed}.json")
     train = [f"untrained={exports['regenerated']}"] + [f"{name}={path}" for name, path in exports.items()]
     subprocess.run([TRAINERS_PY, "-m", "job.trainers.acceptance", "--train", *train, "--eval-greedy", eval_greedy,
-                    "--eval-sampled", eval_sampled, "--k", str(k), "--epochs", str(epochs), "--lr", str(lr),
+                    "--eval-sampled", eval_sampled, "--k", str(k), "--steps", str(steps), "--lr", str(lr),
                     "--seed", str(seed), "--output", result], check=True)
     return json.load(open(result))
 
@@ -161,6 +162,8 @@ def summarize(all_scores: list[dict]) -> dict:
             row[kind + "_per_position"] = [round(sum(p[i] for p in pos) / len(pos), 3) for i in range(len(pos[0]))]
         row["train_loss"] = [r["first_loss"] for r in runs][:1] + [r["last_loss"] for r in runs][:1]
         row["steps"] = runs[0]["steps"]
+        row["epochs"] = runs[0].get("epochs")
+        row["train_seconds"] = round(sum(r["train_seconds"] for r in runs) / len(runs))
         table[name] = row
     return table
 
@@ -205,31 +208,37 @@ def main() -> int:
     parser.add_argument("--out", default="bench-acceptance", help="working directory (runs, exports, results)")
     parser.add_argument("--train-prompts", type=int, default=384)
     parser.add_argument("--eval-prompts", type=int, default=96)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=800,
+                        help="optimizer steps per draft, the same for every training set (~4.5 epochs of (a))")
     parser.add_argument("--lr", type=float, default=1e-3, help="speculators' default")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="training seeds (the draft's initialisation and data order); the data is made once")
+    parser.add_argument("--data-seed", type=int, default=0,
+                        help="the prompts' draw and the engine's sampling seed: another data seed is other data")
+    parser.add_argument("--fresh", action="store_true", help="delete --out first (else its runs resume: another "
+                        "--seeds on the same data costs no data time)")
     parser.add_argument("--write-docs", action="store_true", help="copy the plot to docs/acceptance.png")
     args = parser.parse_args()
     if not os.path.exists(TRAINERS_PY):
         parser.error("the trainers' environment is missing: run `make trainers` first")
     started = time.monotonic()
-    shutil.rmtree(args.out, ignore_errors=True)
-    os.makedirs(args.out)
+    if args.fresh:
+        shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)  # runs already there resume: the job's own rule (complete ones in seconds)
     ensure_tiny_model(MODEL)
-    train_in, eval_in, prompts = write_prompts(args.out, args.train_prompts, args.eval_prompts, seed=0)
+    train_in, eval_in, prompts = write_prompts(args.out, args.train_prompts, args.eval_prompts, seed=args.data_seed)
     template = os.path.join(args.out, "wrong_chat_template.jinja")
     open(template, "w").write(WRONG_TEMPLATE)
 
     runs = {
-        "regenerated": make_run("regenerated", train_in, args.out),
-        "wrong_template": make_run("wrong_template", train_in, args.out, **{
+        "regenerated": make_run("regenerated", train_in, args.out, args.data_seed),
+        "wrong_template": make_run("wrong_template", train_in, args.out, args.data_seed, **{
             "generate.chat_template": template, "quality.canary_rows": 0}),
-        "original": make_run("original", train_in, args.out, **{"generate.regenerate": "none"}),
-        "eval_greedy": make_run("eval_greedy", eval_in, args.out, **{
+        "original": make_run("original", train_in, args.out, args.data_seed, **{"generate.regenerate": "none"}),
+        "eval_greedy": make_run("eval_greedy", eval_in, args.out, args.data_seed, **{
             "generate.sampling": {"max_tokens": 512, "temperature": 0.0}}),
-        "eval_sampled": make_run("eval_sampled", eval_in, args.out),
+        "eval_sampled": make_run("eval_sampled", eval_in, args.out, args.data_seed),
     }
     data_seconds = time.monotonic() - started
     for name, run in runs.items():
@@ -242,7 +251,7 @@ def main() -> int:
 
     all_scores = []
     for seed in args.seeds:
-        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.epochs, args.lr, args.k)
+        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k)
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
@@ -252,7 +261,8 @@ def main() -> int:
                "known_answer_tau": first["greedy"]["always_right"]}
     seconds = round(time.monotonic() - started)
     results = {"command": "bench/bench_acceptance.py " + " ".join(sys.argv[1:]), "prompts": prompts,
-               "runs": runs, "summary": summary, "context": context, "seeds": args.seeds, "epochs": args.epochs,
+               "runs": runs, "summary": summary, "context": context, "seeds": args.seeds, "data_seed": args.data_seed,
+               "steps": args.steps,
                "lr": args.lr, "k": args.k, "data_seconds": round(data_seconds), "seconds": seconds,
                "scores": all_scores}
     table = markdown(summary, args.k, args.seeds)

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-greedy", required=True, help="held-out export of the target's greedy completions")
     parser.add_argument("--eval-sampled", required=True, help="held-out export of the target's sampled completions")
     parser.add_argument("--k", type=int, default=5, help="draft tokens (default 5); also the training TTT steps")
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=800,
+                        help="optimizer steps per draft, the same on every training set (default 800)")
     parser.add_argument("--total-seq-len", type=int, default=512,
                         help="tokens per packed batch; longer samples are cut there by speculators' sampler (the "
                              "tiny target's long tail: ~5%% of samples)")
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="JSON file for the results")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    results = {"k": args.k, "epochs": args.epochs, "lr": args.lr, "seed": args.seed, "sets": {}}
+    results = {"k": args.k, "steps": args.steps, "lr": args.lr, "seed": args.seed,
+               "total_seq_len": args.total_seq_len, "sets": {}}
     for spec in args.train:
         name, _, export_dir = spec.partition("=")
         manifest = json.load(open(os.path.join(export_dir, "export.json")))
@@ -219,19 +221,19 @@ def main(argv: list[str] | None = None) -> int:
                          f"{manifest['format']}")
         sampling = target_sampling(manifest["model"])
         started = time.monotonic()
-        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, epochs=max(args.epochs, 1),
-                         total_seq_len=args.total_seq_len)
+        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, total_seq_len=args.total_seq_len)
         work = tempfile.mkdtemp(prefix=f"acceptance-{name}-")
         if name == "untrained":
             sp_args = speculators_train.resolve_args(export_dir, manifest, manifest["draft_config"], work, **overrides)
             _, model = speculators_train.build_model(sp_args)
-            logged = []
+            logged, epochs = [], 0
         else:
-            sp_args, model, logged = speculators_train.train_epochs(export_dir, manifest, manifest["draft_config"],
-                                                                     work, **overrides)
+            sp_args, model, logged, epochs = speculators_train.train_steps(
+                export_dir, manifest, manifest["draft_config"], work, args.steps, **overrides)
         trained_s = time.monotonic() - started
         entry = {"export": export_dir, "samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
-                 "loss_tokens": manifest.get("num_loss_tokens"), "steps": len(logged), "train_seconds": round(trained_s, 1),
+                 "loss_tokens": manifest.get("num_loss_tokens"), "steps": len(logged), "epochs": epochs,
+                 "train_seconds": round(trained_s, 1),
                  "first_loss": logged[0]["loss"] if logged else None,
                  "last_loss": sum(m["loss"] for m in logged[-20:]) / len(logged[-20:]) if logged else None}
         model_class = type(model)
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["eval_seconds"] = round(time.monotonic() - started - trained_s, 1)
         results["sets"][name] = entry
         g, s = entry["greedy"], entry["sampled"]
-        print(f"{name}: {entry['steps']} steps in {trained_s:.0f} s; greedy τ {g['draft']['greedy_tau']}, "
+        print(f"{name}: {entry['steps']} steps ({epochs} epochs) in {trained_s:.0f} s; greedy τ {g['draft']['greedy_tau']}, "
               f"sampled τ {s['draft']['sampled_tau']} (always right: {g['always_right']})", flush=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)

@@ -4,7 +4,7 @@ loss, backward, clipping, optimizer and scheduler steps, metric logging). Only w
 launcher is bypassed; each such workaround names the error it avoids (`cpu_trainer`).
 
 Two users: train-check (`train_repeated_batch`: N steps on one batch, proving an export trains) and the acceptance
-benchmark (`train_epochs` then `data_loader` over a held-out export: job/trainers/acceptance.py).
+benchmark (`train_steps` then `data_loader` over a held-out export: job/trainers/acceptance.py).
 
 Runs in the trainers' environment (.venv-trainers) only; imports nothing from `job` but its own directory. The
 library is imported as the top-level ``speculators`` package, never speculators.py beside this file.
@@ -267,16 +267,24 @@ def train_repeated_batch(export_dir: str, manifest: dict, config: dict, steps: i
             for i, m in enumerate(logged)]
 
 
-def train_epochs(export_dir: str, manifest: dict, config: dict, workdir: str, **overrides):
-    """Train as `speculators train` would on the whole export: `epochs` (an override) passes of the trainer's own
-    shuffled multipack loader through Trainer.train_epoch. Returns (args, draft model, logged steps)."""
+def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, steps: int, **overrides):
+    """Train as `speculators train` would on the whole export, for exactly `steps` optimizer steps: as many passes
+    (epochs) of the trainer's own shuffled multipack loader through Trainer.train_epoch as that takes, the last one
+    cut at `steps` (its max_steps, over which its LR schedule decays). The same number of steps on every training
+    set is the same compute, whatever their sizes. Returns (args, draft model, logged steps, epochs)."""
     from speculators.train import trainer as sp_trainer  # the trainers' environment only
 
     args = resolve_args(export_dir, manifest, config, workdir, **overrides)
     model_class, model = build_model(args)
     loader = data_loader(args, model)
+    args.epochs = -(-steps // len(loader))
+    args.max_steps = steps
     with cpu_trainer(model, seed=None) as (logged, norms):
-        trainer = sp_trainer.Trainer(model, trainer_config(args, model_class, args.max_steps), loader, None)
+        trainer = sp_trainer.Trainer(model, trainer_config(args, model_class, steps), loader, None)
         for epoch in range(args.epochs):
+            if trainer.global_step >= steps:  # train_epoch would take one more step before it looks
+                break
             trainer.train_epoch(epoch)
-    return args, model, [dict(m, grad_norm=n) for m, n in zip(logged, norms)]
+    if len(logged) != steps:
+        raise RuntimeError(f"expected {steps} steps, the trainer logged {len(logged)}")
+    return args, model, [dict(m, grad_norm=n) for m, n in zip(logged, norms)], round(steps / len(loader), 2)
