@@ -180,7 +180,7 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, k: int, path: str, model: str) -> None:
+def plot(summary: dict, k: int, path: str, model: str, seeds: int) -> None:
     import matplotlib  # heavy: imported on use
 
     matplotlib.use("Agg")
@@ -196,10 +196,10 @@ def plot(summary: dict, k: int, path: str, model: str) -> None:
                      fontsize=9)
         ax.set_xlabel("draft tokens k")
         ax.set_xticks(ks)
-    axes[0].set_ylabel("mean accepted length τ (tokens per target step; at most k + 1)")
+    axes[0].set_ylabel("τ: tokens per target step (≤ k + 1)")
     axes[0].legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"EAGLE-3 draft (speculators) on the tiny {model} target: held-out prompts, served template",
-                 fontsize=10)
+    fig.suptitle(f"EAGLE-3 draft (speculators) on the tiny {model} target: held-out prompts, served template"
+                 + (f"; bars: range over {seeds} training seeds" if seeds > 1 else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -277,7 +277,7 @@ def main() -> int:
     # The run's report: beside stage 1's and stage 2's in run (a).
     with open(os.path.join(runs["regenerated"]["run"], "reports", "acceptance.json"), "w") as f:
         json.dump({k: v for k, v in results.items() if k != "scores"}, f, indent=1)
-    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model)
+    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds))
     if args.write_docs:
         shutil.copy(os.path.join(args.out, "acceptance.png"), f"docs/acceptance-{args.model}.png")
     print(table)
