@@ -10,7 +10,8 @@ the trainer's accuracy, and fails (exit 1) when a loss is not finite and positiv
 loss does not fall over the steps of a repeated batch. Those three catch what "a step ran" does not: with every
 loss mask zero, SpecForge's EAGLE-3 step runs with loss 0 and gradient 0.
 
-The trainer-specific code (and each CPU workaround, with the error it avoids) is in specforge.py and speculators.py.
+The trainer-specific code (and each CPU workaround, with the error it avoids) is in specforge.py and
+speculators_train.py.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ class TrainCheckFailed(Exception):
     """The export did not train: the message says which step and which rule."""
 
 
+# The module with each trainer's `train(export_dir, manifest, config, steps, workdir)` and `draft_config(manifest)`.
+TRAINER_MODULES = {"specforge": "job.trainers.specforge", "speculators": "job.trainers.speculators_train"}
+
+
 def trainer_module(to: str):
-    if to not in ("specforge", "speculators"):
+    if to not in TRAINER_MODULES:
         raise TrainCheckFailed(f"train-check: unknown trainer {to!r} in {MANIFEST}")
-    return importlib.import_module(f"job.trainers.{to}")
+    return importlib.import_module(TRAINER_MODULES[to])
 
 
 def judge(steps: list[dict]) -> list[str]:

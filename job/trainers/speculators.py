@@ -1,10 +1,8 @@
 """speculators 0.9 drafts (EAGLE-3 or DFlash) from one of our exports: the ready draft config a user hands to
-speculators' trainer (`draft_config`), the layer ids a config names (`config_layer_ids`), and `train` for
-train-check.
+speculators' trainer (`draft_config`) and the layer ids a config names (`config_layer_ids`).
 
-The point of `train` is to prove that an export in speculators' offline format trains with speculators' OWN
-code; the driving code is in speculators_train.py, which runs in the trainers' environment only. This module
-is also imported by the job (export/manifest.py): standard library only, nothing else from `job`.
+Imported by the job (export/manifest.py) and by the trainers' side (speculators_train.py, which trains with
+speculators' own code): standard library only, nothing else from `job`.
 """
 
 from __future__ import absolute_import
@@ -129,7 +127,7 @@ _TRAIN_CONFIG_GROUPS = ("verifier", "draft", "data", "generation", "loss", "opti
                         "logging", "dflash", "dflash2", "dspark", "xpress", "peagle", "mtp", "backend")
 
 
-def _flat_config(config: dict) -> dict:
+def flat_config(config: dict) -> dict:
     """A speculators trainer config as flat TrainConfig fields: accepts this module's draft_config, a
     `speculators train` run.yaml / --config mapping (optionally under "train:", fields nested by group) and
     CLI-style dashed names. Drops "derived"."""
@@ -150,16 +148,8 @@ def config_layer_ids(config: dict, fmt: str):
     none (the trainer would fall back to its default [2, n // 2, n - 3]). Reads a training config (this module's
     draft_config, a run.yaml / --config mapping, CLI-style names) or a saved speculator config.json
     (eagle_aux_hidden_state_layer_ids for EAGLE-3, aux_hidden_state_layer_ids for DFlash). PURE (stdlib)."""
-    ids = _flat_config(config).get("target_layer_ids")
+    ids = flat_config(config).get("target_layer_ids")
     if ids is None:
         key = "aux_hidden_state_layer_ids" if fmt == "dflash" else "eagle_aux_hidden_state_layer_ids"
         ids = config.get(key)
     return None if ids is None else [int(i) for i in ids]
-
-
-def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list:
-    """train-check: `steps` optimizer steps of speculators' own training code on ONE repeated batch
-    (speculators_train.train_repeated_batch; in the trainers' environment only)."""
-    from job.trainers import speculators_train  # the trainers' environment only
-
-    return speculators_train.train_repeated_batch(export_dir, manifest, config, steps, workdir)

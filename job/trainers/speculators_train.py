@@ -3,7 +3,7 @@ mapping, `build_draft_model`, ArrowDataset / multipack sampler / CollateFn, and 
 loss, backward, clipping, optimizer and scheduler steps, metric logging). Only what cannot run without a GPU or a
 launcher is bypassed; each such workaround names the error it avoids (`cpu_trainer`).
 
-Two users: train-check (`train_repeated_batch`: N steps on one batch, proving an export trains) and the acceptance
+Two users: train-check (`train` = `train_repeated_batch`: N steps on one batch, proving an export trains) and the acceptance
 benchmark (`train_steps` then `data_loader` over a held-out export: job/trainers/acceptance.py).
 
 Runs in the trainers' environment (.venv-trainers) only; imports nothing from `job` but its own directory. The
@@ -20,7 +20,8 @@ import os
 import shutil
 import sys
 
-from job.trainers.speculators import _flat_config
+from job.trainers import speculators
+from job.trainers.speculators import flat_config
 
 
 def _import_speculators():
@@ -61,7 +62,7 @@ def resolve_args(export_dir: str, manifest: dict, config: dict, workdir: str, **
     from speculators.train.config.resolution import _BACKEND_DESTS  # the trainers' environment only
     from speculators.train.config.schema import CONFIG_DESTS  # the trainers' environment only
 
-    flat = _flat_config(config)
+    flat = flat_config(config)
     fmt = flat.setdefault("speculator_type", manifest["format"])
     if fmt != manifest["format"]:
         raise ValueError(f"config trains {fmt!r} but the export is {manifest['format']!r}")
@@ -265,6 +266,14 @@ def train_repeated_batch(export_dir: str, manifest: dict, config: dict, steps: i
     acc_key = "full_acc_0" if args.speculator_type == "eagle3" else "position_1_acc"
     return [{"step": i, "loss": float(m["loss"]), "grad_norm": norms[i], "accuracy": float(m[acc_key])}
             for i, m in enumerate(logged)]
+
+
+draft_config = speculators.draft_config  # train-check asks the trainer's module for both (check.py)
+
+
+def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list:
+    """train-check's entry (check.py): the same signature as specforge.train."""
+    return train_repeated_batch(export_dir, manifest, config, steps, workdir)
 
 
 def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, steps: int, **overrides):
