@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import ensure_local_ray
+from conftest import REPO, ensure_local_ray
 
 from job import layout, schema, storage
 from job.config import HiddenStatesConfig, RunConfig
@@ -442,7 +443,8 @@ def test_the_hybrid_target_exports_and_trains_like_the_dense_one(runs, tmp_path)
     """The tiny hybrid (Qwen3.5: Gated DeltaNet + gated attention, text config nested in a multimodal wrapper) from
     its pre-norm run, the every-trainer layout: all four exports train with the trainers' own code. (The dense
     target trains in tests/test_trainers.py, on the shared run.)"""
-    from test_trainers import FORMATS, assert_trained, train_check, trainers_environment
+    from test_trainers import (FORMATS, ON_THE_EXPORT, TRAINERS_PYTHON, assert_trained, train_check,
+                               trainers_environment)
 
     by_norm, model_dir = runs
     if "hybrid" not in model_dir:
@@ -455,3 +457,11 @@ def test_the_hybrid_target_exports_and_trains_like_the_dense_one(runs, tmp_path)
         exports.append(out)
     for result in train_check(exports).values():
         assert_trained(result)
+    # speculators' verifier norm is a LlamaRMSNorm (weight * x); Qwen3.5's is (1 + weight) * x. Without the target's
+    # own norm (speculators_train.with_the_target_s_final_norm) the draft's targets are noise: their argmax is the
+    # next token of the data at 0 % of positions. With it, what the target's sampling gives (~50 % at T 1).
+    proc = subprocess.run([str(TRAINERS_PYTHON), "-c", ON_THE_EXPORT, exports[3], str(tmp_path / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "disagrees with the target's own final norm (Qwen3_5RMSNorm)" in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["data_is_target_argmax"] > 0.3

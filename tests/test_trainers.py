@@ -170,10 +170,11 @@ def test_acceptance_is_counted_right(shared_run, tmp_path):
     assert main(["export", shared_run.full, "--to", "speculators", "--format", "eagle3", "--output", out]) == 0
     proc = run(ON_THE_EXPORT, out, str(tmp_path / "work"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "disagrees with the target's own final norm" not in proc.stderr  # Qwen3's norm is speculators' (Llama's)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["draft"]["blocks"] == r["target_as_drafter"]["blocks"] > 500, r
     assert [round(t, 3) for t in r["target_as_drafter"]["greedy_tau"]] == [round(t, 3) for t in r["always_right"]]
     assert max(abs(a - b) for a, b in zip(r["target_as_drafter"]["sampled_tau"], r["always_right"])) < 1e-3
     assert max(abs(a - b) for a, b in zip(r["draft"]["greedy_tau"], r["trainer_cond_acc_tau"])) < 2e-3, r
     assert all(1.0 <= t <= a for t, a in zip(r["draft"]["sampled_tau"], r["always_right"])), r
-    assert 0 < r["data_is_target_argmax"] <= 1
+    assert 0.3 < r["data_is_target_argmax"] <= 1  # the shared run samples at T 1: ~50 % are the target's argmax

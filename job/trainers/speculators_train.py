@@ -15,6 +15,7 @@ from __future__ import absolute_import
 import argparse
 import contextlib
 import importlib
+import json
 import logging
 import os
 import shutil
@@ -104,14 +105,64 @@ def resolve_args(export_dir: str, manifest: dict, config: dict, workdir: str, **
 
 
 def build_model(args):
-    """(model class, draft model): the trainer's own vocab mapping and build_draft_model, after its set_seed."""
+    """(model class, draft model): the trainer's own vocab mapping and build_draft_model, after its set_seed; its
+    verifier norm replaced by the target's own where the two disagree (`with_the_target_s_final_norm`)."""
     from speculators.model import SpeculatorModel  # the trainers' environment only
     from speculators.train import cli as sp_cli  # the trainers' environment only
 
     sp_cli.set_seed(args.seed)
     d2t, t2d, draft_vocab_size = sp_cli.parse_vocab_mappings(args)
     model_class = SpeculatorModel.registry[args.speculator_type]
-    return model_class, sp_cli.build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
+    model = sp_cli.build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
+    with_the_target_s_final_norm(model, args.verifier_name_or_path)
+    return model_class, model
+
+
+def target_final_norm(model_dir: str):
+    """The target's own final norm module (its class, built on the meta device from its config) with the
+    checkpoint's weight, in float32, on the CPU."""
+    import torch  # heavy: imported on use
+    from safetensors import safe_open  # the trainers' environment only
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: imported on use
+
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    # The decoder's final norm: model.norm, or model.language_model.norm for Qwen3.5/3.6 (a ForConditionalGeneration).
+    name, norm = next((n, m) for n, m in target.named_modules() if n in ("model.norm", "model.language_model.norm"))
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    files = json.load(open(index))["weight_map"] if os.path.exists(index) else {}
+    for key in (f"{name}.weight", "model.norm.weight", "model.language_model.norm.weight"):
+        path = os.path.join(model_dir, files.get(key, "model.safetensors"))
+        if os.path.exists(path):
+            with safe_open(path, "pt") as f:
+                if key in f.keys():
+                    norm = norm.to_empty(device="cpu").float()
+                    with torch.no_grad():
+                        norm.weight.copy_(f.get_tensor(key).float())
+                    return norm.eval().requires_grad_(False)
+    raise ValueError(f"the target's final norm weight is not in {model_dir}")
+
+
+def with_the_target_s_final_norm(model, model_dir: str) -> bool:
+    """Workaround (speculators 0.9, Qwen3.5/3.6 targets): speculators builds the verifier's final norm as a
+    LlamaRMSNorm (weight * x̂) and loads the target's weight into it; Qwen3.5's norm computes (1 + weight) * x̂, with a
+    weight near 0. The draft's targets (verifier_lm_head(verifier_norm(last hidden state))) are then noise: on the
+    tiny hybrid's greedy completions their argmax is the target's own next token at 0 % of positions, and at 100 %
+    with the target's own norm (bench/bench_acceptance.py's `data_is_target_argmax`). Where the two norms disagree
+    on a probe, the target's own module replaces speculators'; returns whether it did (the dense Qwen3 agrees)."""
+    import torch  # heavy: imported on use
+
+    own = target_final_norm(model_dir)
+    theirs = model.verifier_norm
+    probe = torch.randn(8, own.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        agree = torch.allclose(theirs(probe.to(theirs.weight.dtype)).float(), own(probe), rtol=1e-2, atol=1e-2)
+    if not agree:
+        print(f"note: speculators' verifier norm ({type(theirs).__name__}) disagrees with the target's own final "
+              f"norm ({type(own).__name__}): the target's is used, or the draft would learn from wrong targets",
+              file=sys.stderr, flush=True)
+        model.verifier_norm = own.to(theirs.weight.dtype)
+    return not agree
 
 
 def data_loader(args, model, export_dir: str | None = None):
