@@ -75,8 +75,15 @@ def run_plain(config) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from job.generate import engine_sizing
+
     prompts, _ = _token_prompts(config)
-    llm = LLM(model=config.model, **config.engine_kwargs)
+    kwargs = dict(config.engine_kwargs)
+    if engine_sizing.is_auto(kwargs):  # the value stage 1's engine works out on the same device: same concurrency
+        sizing = engine_sizing.auto_max_num_seqs(config.model, kwargs, config.generate.kv_tokens_per_seq)
+        kwargs["max_num_seqs"] = sizing.max_num_seqs
+        print(sizing.why, flush=True)
+    llm = LLM(model=config.model, **kwargs)
     t1 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**_sampling(config)),
                         use_tqdm=False)

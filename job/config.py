@@ -46,6 +46,7 @@ LIMITS: dict[str, tuple[float | None, float | None]] = {
     "quality.canary_max_unclosed_think": (0, 1),
     "quality.canary_max_error": (0, 1),
     "generate.rows_per_shard": (1, None),
+    "generate.kv_tokens_per_seq": (1, None),
     "generate.units_in_flight_per_engine": (1, None),
     "generate.max_rows_in_flight": (1, None),
     "generate.num_engines": (1, None),
@@ -150,11 +151,19 @@ class GenerateConfig:
     that does not end with an assistant turn is a row error."""
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
-    per_request_seed: bool | None = None
-    """Pass each row's seed to vLLM. None = on GPU builds only (the CPU build crashes on per-request seeds).
-    The price on a GPU: any seeded request in a batch moves vLLM's sampler off FlashInfer onto its PyTorch top-k/top-p
-    path with one noise draw per seeded row per step (vLLM 0.26 and 0.32). False gives up per-row reproducibility
-    (the `seed` column is then null) for that; the difference was not measured (docs/BENCHMARKS.md)."""
+    per_request_seed: bool = False
+    """Pass each row's seed to vLLM, so that a rerun samples each row as before whatever it is batched with (the seed
+    column holds it). Off by default: on a GPU any seeded request moves vLLM's sampler off FlashInfer for the whole
+    batch onto its PyTorch top-k/top-p path with one noise draw per seeded row per step (vLLM 0.26 and 0.32,
+    v1/sample/ops/topk_topp_sampler.py). On one H200, 27B hybrid shape, 128 sequences, that cost 7.6 % of stage 1's
+    steady-state throughput (docs/BENCHMARKS.md, issue 34): ~3.4 hours of a 45-hour run. Without it a row's sample
+    depends on the engine seed and on what it was batched with, so a regenerated shard has other (equally
+    distributed) samples; the `seed` column is null. The CPU build crashes on per-request seeds: keep it off there."""
+    kv_tokens_per_seq: int = 8192
+    """Tokens (prompt + completion) of KV cache that `engine_kwargs.max_num_seqs: auto` sizes each sequence for, at
+    most max_model_len (job/generate/engine_sizing.py). Thinking-mode completions average a few thousand tokens with
+    a tail to 32K: sequences that outgrow their share borrow from shorter ones, and vLLM preempts the newest when the
+    pool is full. Lower it for more concurrency on short outputs; raise it if the engine's log reports preemptions."""
     rows_per_shard: int = 256
     """Rows per work unit and per output shard. A crash redoes at most the units in flight."""
     units_in_flight_per_engine: int = 16
@@ -320,6 +329,10 @@ class RunConfig:
         check_fields(self.storage, "storage")  # StorageConfig lives in storage.py, below this module
         if not self.model:
             raise ConfigError("config: `model` is required (a model directory or name)")
+        seqs = self.engine_kwargs.get("max_num_seqs")
+        if seqs is not None and seqs != "auto" and (not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1):
+            raise ConfigError(f"config: engine_kwargs.max_num_seqs must be a positive int or 'auto' (sized from the "
+                              f"device's memory: job/generate/engine_sizing.py), got {seqs!r}")
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"config: engine_kwargs.tensor_parallel_size must be a positive int, got {tp!r}")

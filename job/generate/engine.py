@@ -32,9 +32,9 @@ import pyarrow.compute as pc
 from job import layout, redaction, schema, storage
 from job.cluster import model_missing_here
 from job.config import RunConfig, from_dict
-from job.generate import inputs, prompts, quality
-from job.generate.engine_start import (EngineStartError, is_gpu_platform, known_engine_problem, log_offsets,
-                                       reason_logged_since, resolved_sampling, why_engine_failed)
+from job.generate import engine_sizing, inputs, prompts, quality
+from job.generate.engine_start import (EngineStartError, known_engine_problem, is_gpu_platform, log_offsets,
+                                       logged_since, reason_logged_since, resolved_sampling, why_engine_failed)
 
 log = logging.getLogger("job.generate.engine")
 
@@ -130,6 +130,7 @@ class CompletionGenerator:
         self.use_seed = False
         if self.keep_data:
             self.engine, self.max_model_len = None, None
+            self.device, self.max_num_seqs = "", 0
             self.max_rows_in_flight = gen.max_rows_in_flight or 256  # no engine to keep full: any number will do
             return
         self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
@@ -137,12 +138,28 @@ class CompletionGenerator:
     def _start(self, gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind) -> None:
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
                                        resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform())
+        if gen.per_request_seed and not is_gpu_platform():
+            problem = ("generate.per_request_seed: true on vLLM's CPU build, whose engine dies on per-request seeds; "
+                       "set it to false on CPU")
         if problem:
             raise EngineStartError(problem)
+        engine_kwargs, sizing = dict(self.config.engine_kwargs), None
+        if engine_sizing.is_auto(engine_kwargs):  # sized from this device's memory before the engine exists
+            try:
+                sizing = engine_sizing.auto_max_num_seqs(self.config.model, engine_kwargs, gen.kv_tokens_per_seq)
+            except ValueError as e:
+                raise EngineStartError(str(e)) from None
+            engine_kwargs["max_num_seqs"] = sizing.max_num_seqs
+            log.info("%s", sizing.why)
         started = time.monotonic()
-        self.engine = self._start_engine(AsyncLLM, AsyncEngineArgs(model=self.config.model,
-                                                                   **self.config.engine_kwargs))
+        log_from = log_offsets()
+        self.engine = self._start_engine(AsyncLLM, AsyncEngineArgs(model=self.config.model, **engine_kwargs), log_from)
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
+        if sizing is not None:  # vLLM's own figures, now that it has laid out its cache
+            line, holds = engine_sizing.check_against_vllm(sizing, logged_since(log_from))
+            (log.info if holds else log.warning)("%s%s", line, "" if holds else (
+                ": vLLM's pool is smaller than the sums assumed, so full batches will preempt; lower "
+                "generate.kv_tokens_per_seq or set max_num_seqs"))
         # When the stage is done Ray ends this actor, and its EngineCore process may stop before the engine's client
         # here does: vLLM then logs "AsyncLLM output_handler failed" with an EngineDeadError traceback, which after a
         # run that succeeded reads as a failure (2 of 14 small runs; every run once the worker ran in-process). An
@@ -152,8 +169,9 @@ class CompletionGenerator:
             lambda record: getattr(self, "num_in_flight", 0) > 0
             or not record.getMessage().startswith("AsyncLLM output_handler"))
         self.max_model_len = self.engine.model_config.max_model_len
-        max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
-        self.max_rows_in_flight = gen.max_rows_in_flight or 2 * max_num_seqs
+        self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
+        self.max_rows_in_flight = gen.max_rows_in_flight or 2 * self.max_num_seqs
+        self.device = engine_sizing.device_name()
 
         sampling = resolved_sampling(self.config.model, gen.sampling)
         # We split and decode the output ourselves once at the end; vLLM's incremental detokenizer would decode
@@ -162,16 +180,15 @@ class CompletionGenerator:
         sampling["output_kind"] = RequestOutputKind.FINAL_ONLY
         self.sampling_kwargs = sampling
         self.SamplingParams = SamplingParams
-        self.use_seed = gen.per_request_seed if gen.per_request_seed is not None else is_gpu_platform()
+        self.use_seed = gen.per_request_seed
 
-    def _start_engine(self, AsyncLLM, engine_args):
+    def _start_engine(self, AsyncLLM, engine_args, log_from: dict[int, int]):
         """Start the engine, giving up after `generate.engine_start_timeout_s`: an engine that hangs while starting
         (a compile that never ends, NCCL waiting for a peer, a bad GPU) otherwise stalls the job without a word.
         The start runs in a helper thread so this one can stop waiting; the actor then fails, which ends the job
         once with the message (its processes go with it)."""
 
         timeout = self.config.generate.engine_start_timeout_s
-        log_from = log_offsets()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
         future = pool.submit(AsyncLLM.from_engine_args, engine_args)
         pool.shutdown(wait=False)
@@ -251,6 +268,8 @@ class CompletionGenerator:
             **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
             "seconds": [time.monotonic() - started],
             "node": [self.node_id],
+            "device": [self.device],  # the device type and the max_num_seqs its engine runs with (`auto` differs)
+            "max_num_seqs": [self.max_num_seqs],
         }
 
     def _attempts_uri(self, unit: layout.CompletionUnit) -> str:

@@ -70,20 +70,27 @@ def log_offsets() -> dict[int, int]:
     return offsets
 
 
-def reason_logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> str | None:
-    """The last error line the engine's processes wrote to this process's log files since `offsets`, or None."""
-    found = None
+def logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> str:
+    """What the engine's processes wrote to this process's log files since `offsets` (at most the last `max_bytes`
+    of each)."""
+    texts = []
     for fd, offset in offsets.items():
         try:
             with open(os.readlink(f"/proc/self/fd/{fd}"), "rb") as f:
                 f.seek(max(offset, os.fstat(f.fileno()).st_size - max_bytes))
-                text = f.read().decode(errors="replace")
+                texts.append(f.read().decode(errors="replace"))
         except OSError:
             continue
-        for line in text.splitlines():
-            m = _REASON_LINE.search(line)
-            if m and not m.group(2).startswith(_WRAPPERS):
-                found = f"{m.group(1)}: {m.group(2).strip()}"
+    return "\n".join(texts)
+
+
+def reason_logged_since(offsets: dict[int, int], max_bytes: int = 1 << 20) -> str | None:
+    """The last error line the engine's processes wrote to this process's log files since `offsets`, or None."""
+    found = None
+    for line in logged_since(offsets, max_bytes).splitlines():
+        m = _REASON_LINE.search(line)
+        if m and not m.group(2).startswith(_WRAPPERS):
+            found = f"{m.group(1)}: {m.group(2).strip()}"
     return found
 
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from job import cluster, layout, progress, redaction, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
-from job.generate import inputs, prompts, quality
+from job.generate import engine_sizing, inputs, prompts, quality
 from job.generate.units import count_done_rows, pending_units, wanted_ranges
 from job.generate.engine import CompletionGenerator
 from job.generate.engine_start import EngineStartError, resolved_sampling, text_only_engine_kwargs
@@ -46,6 +46,7 @@ class GenerateSummary(stage.StageSummary):
     generation_seconds: float = 0.0
     already_complete: bool = False
     units_per_node: dict[str, int] = field(default_factory=dict)  # Ray node id → units its engines wrote
+    max_num_seqs: dict[str, int] = field(default_factory=dict)  # device name → the engines' max_num_seqs on it
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -129,6 +130,10 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
     if note:
         print(note, flush=True)
         config = dataclasses.replace(config, engine_kwargs=engine_kwargs)
+    if engine_sizing.is_auto(config.engine_kwargs):
+        print(f"engine: max_num_seqs auto: each engine sizes it from its device's memory for "
+              f"{config.generate.kv_tokens_per_seq:,} tokens a sequence (its line 'max_num_seqs auto = N' follows "
+              "when it starts)", flush=True)
 
     # On a cluster, refuse paths the engines' nodes cannot see before anything is written or started.
     joined_ray = stage.ensure_ray(config) if cluster.joining_cluster() else False
@@ -209,6 +214,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                 if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
                     ray.shutdown()
         runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
+                                                 "max_num_seqs": summary.max_num_seqs,
                                                  "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:
             write_report(config.output, config.storage, guard=held.fence.guard)
@@ -272,6 +278,9 @@ class _Consumer:
         summary.num_output_tokens += s["num_output_tokens"]
         summary.shards.append(s["shard"])
         summary.units_per_node[s["node"]] = summary.units_per_node.get(s["node"], 0) + 1
+        if s["device"] and summary.max_num_seqs.get(s["device"]) != s["max_num_seqs"]:  # auto: per GPU type
+            summary.max_num_seqs[s["device"]] = s["max_num_seqs"]
+            print(f"engines on {s['device']}: max_num_seqs {s['max_num_seqs']}", flush=True)
         self.tracker.update(s)
         if self.run_canary and self.canary_rows < config.quality.canary_rows:
             self.canary_rows += s["num_rows"]
