@@ -104,7 +104,7 @@ def test_production_config_loads_and_vllm_knows_every_key():
     assert config.hidden_states.resolved_layer_ids(64) == every_trainer_layers(64) == [1, 16, 31, 46, 60, 61, 63]
     assert config.hidden_states.last_layer_before_norm
     assert config.quality.canary_rows > 0
-    assert config.generate.rows_per_shard * config.generate.units_in_flight_per_engine >= ek["max_num_seqs"]
+    assert ek["max_num_seqs"] == "auto"  # sized per GPU type (test_engine_sizing.py)
 
     from vllm import SamplingParams
     from vllm.config.speculative import MTPModelTypes

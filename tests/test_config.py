@@ -65,3 +65,10 @@ def test_booleans_and_combinations():
     with pytest.raises(ConfigError, match="batch_tokens .* must be at least max_length"):
         load_config(DEMO_CONFIG, **{"hidden_states.batch_tokens": 8, "hidden_states.max_length": 16})
     assert load_config(DEMO_CONFIG, **{"generate.hang_timeout_s": 0}).generate.hang_timeout_s == 0  # no watchdog
+
+
+def test_max_num_seqs_is_a_positive_int_or_auto():
+    for bad in (0, "lots", True, 2.5):
+        with pytest.raises(ConfigError, match="^config: engine_kwargs.max_num_seqs must be a positive int or 'auto'"):
+            load_config(DEMO_CONFIG, **{"engine_kwargs.max_num_seqs": bad})
+    assert load_config(DEMO_CONFIG, **{"engine_kwargs.max_num_seqs": "auto"}).engine_kwargs["max_num_seqs"] == "auto"

@@ -32,7 +32,9 @@ def write_mixed_input(directory, rows: list[dict]) -> str:
     {"enable_prefix_caching": True},
     # MTP drafts with the model's own head. The CPU build runs it only without prefix caching and without top_k
     # (known_engine_problem in job/generate/engine.py); GPUs run the production settings.
-    {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+    # max_num_seqs auto, as in the production config: sized for MTP's state slots, checked against vLLM's pool.
+    {"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+     "max_num_seqs": "auto"},
 ], ids=["prefix-caching", "mtp"])
 @pytest.mark.slow  # the hybrid model; an engine start (~50 s) each
 def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid_dir, engine, local_ray):
@@ -57,9 +59,18 @@ def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid
     check_completions(table, tokenizer, rows)  # the hybrid shares the tokenizer and template
     errors = {r["id"] for r in table.to_pylist() if r["error"] is not None}
     assert errors == {str(i) for i in BAD_ROWS}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
     if not mtp:
-        run = json.loads((tmp_path / "run" / "run.json").read_text())
         assert run["generate"]["canary_passed"] is True, "the trained hybrid answers in the thinking format"
+        return
+    # `auto` on the CPU build: VLLM_CPU_KVCACHE_SPACE 2 GiB, 1,024-token sequences (max_model_len), 3 state slots
+    # (MTP's 2 drafts + 1). The sums lay the cache out as vLLM does; its own figure, read from its log, must agree:
+    # the chosen value fits its pool, and is the largest multiple of 8 that does.
+    sizing = run["generate"]["max_num_seqs_auto"]["cpu"]
+    chosen, holds = sizing["max_num_seqs"], sizing["vllm_pool_holds"]
+    assert run["generate"]["max_num_seqs"] == {"cpu": chosen}
+    assert chosen <= holds < chosen + 8, sizing["check"]
+    assert "auto, checked: vLLM: " in sizing["check"], sizing["check"]  # vLLM's own figure, read from its log
 
 
 @pytest.mark.slow  # the hybrid model

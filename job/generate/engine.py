@@ -130,7 +130,7 @@ class CompletionGenerator:
         self.use_seed = False
         if self.keep_data:
             self.engine, self.max_model_len = None, None
-            self.device, self.max_num_seqs = "", 0
+            self.device, self.max_num_seqs, self.sizing_line, self.sizing_holds = "", 0, "", 0
             self.max_rows_in_flight = gen.max_rows_in_flight or 256  # no engine to keep full: any number will do
             return
         self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
@@ -155,11 +155,14 @@ class CompletionGenerator:
         log_from = log_offsets()
         self.engine = self._start_engine(AsyncLLM, AsyncEngineArgs(model=self.config.model, **engine_kwargs), log_from)
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
+        self.sizing_line, self.sizing_holds = "", 0
         if sizing is not None:  # vLLM's own figures, now that it has laid out its cache
-            line, holds = engine_sizing.check_against_vllm(sizing, logged_since(log_from))
-            (log.info if holds else log.warning)("%s%s", line, "" if holds else (
+            line, self.sizing_holds = engine_sizing.check_against_vllm(sizing, logged_since(log_from))
+            fits = self.sizing_holds >= sizing.max_num_seqs
+            self.sizing_line = line + ("" if fits else (
                 ": vLLM's pool is smaller than the sums assumed, so full batches will preempt; lower "
                 "generate.kv_tokens_per_seq or set max_num_seqs"))
+            (log.info if fits else log.warning)("%s", self.sizing_line)
         # When the stage is done Ray ends this actor, and its EngineCore process may stop before the engine's client
         # here does: vLLM then logs "AsyncLLM output_handler failed" with an EngineDeadError traceback, which after a
         # run that succeeded reads as a failure (2 of 14 small runs; every run once the worker ran in-process). An
@@ -270,6 +273,8 @@ class CompletionGenerator:
             "node": [self.node_id],
             "device": [self.device],  # the device type and the max_num_seqs its engine runs with (`auto` differs)
             "max_num_seqs": [self.max_num_seqs],
+            "sizing": [self.sizing_line],  # `auto`: the sums beside vLLM's own figures
+            "sizing_holds": [self.sizing_holds],  # sequences of kv_tokens_per_seq vLLM's pool holds (0: not auto)
         }
 
     def _attempts_uri(self, unit: layout.CompletionUnit) -> str:

@@ -230,13 +230,14 @@ _BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
-def check_against_vllm(sizing: Sizing, logged: str) -> tuple[str, bool]:
-    """The sums set beside vLLM's own figures from the engine's start-up log, and whether its pool holds the chosen
-    number of sequences of `kv_tokens_per_seq` tokens. vLLM's concurrency at max_model_len, in our per-sequence bytes,
-    is its pool as it laid it out (pages, groups and padding included)."""
+def check_against_vllm(sizing: Sizing, logged: str) -> tuple[str, int]:
+    """The sums set beside vLLM's own figures from the engine's start-up log, and how many sequences of
+    `kv_tokens_per_seq` tokens its pool holds (vLLM's concurrency at max_model_len times our blocks per sequence at
+    that length is its pool in blocks, as it laid it out). No figure in the log: the chosen number, unchecked."""
     concurrency = _CONCURRENCY.findall(logged)
     if not concurrency:
-        return "engine_kwargs.max_num_seqs auto: vLLM's log had no 'Maximum concurrency' line to check against", True
+        return ("engine_kwargs.max_num_seqs auto: vLLM's log had no 'Maximum concurrency' line to check against "
+                "(VLLM_LOGGING_LEVEL above INFO?)", sizing.max_num_seqs)
     max_len, times = int(concurrency[-1][0].replace(",", "")), float(concurrency[-1][1])
     blocks = round(times * sizing.cost.blocks(max_len))  # vLLM's pool, in blocks as our layout counts them
     holds = blocks // sizing.cost.blocks()
@@ -250,7 +251,7 @@ def check_against_vllm(sizing: Sizing, logged: str) -> tuple[str, bool]:
     line = (f"engine_kwargs.max_num_seqs auto, checked: {said}{times:.2f}x at {max_len:,} tokens = {blocks:,} blocks "
             f"= {blocks * sizing.cost.block_bytes / GIB:.1f} GiB (predicted {sizing.pool_bytes / GIB:.1f} GiB), "
             f"which hold {holds} sequences of {sizing.cost.tokens:,} tokens; chose {sizing.max_num_seqs}{note}")
-    return line, holds >= sizing.max_num_seqs
+    return line, holds
 
 
 def device_name() -> str:

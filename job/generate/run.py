@@ -47,6 +47,7 @@ class GenerateSummary(stage.StageSummary):
     already_complete: bool = False
     units_per_node: dict[str, int] = field(default_factory=dict)  # Ray node id → units its engines wrote
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # device name → the engines' max_num_seqs on it
+    sizing: dict[str, dict] = field(default_factory=dict)  # device name → `max_num_seqs: auto`'s check (engine_sizing)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -215,6 +216,7 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                     ray.shutdown()
         runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
                                                  "max_num_seqs": summary.max_num_seqs,
+                                                 "max_num_seqs_auto": summary.sizing,
                                                  "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
         try:
             write_report(config.output, config.storage, guard=held.fence.guard)
@@ -280,7 +282,11 @@ class _Consumer:
         summary.units_per_node[s["node"]] = summary.units_per_node.get(s["node"], 0) + 1
         if s["device"] and summary.max_num_seqs.get(s["device"]) != s["max_num_seqs"]:  # auto: per GPU type
             summary.max_num_seqs[s["device"]] = s["max_num_seqs"]
-            print(f"engines on {s['device']}: max_num_seqs {s['max_num_seqs']}", flush=True)
+            print(f"engines on {s['device']}: max_num_seqs {s['max_num_seqs']}"
+                  + (f" ({s['sizing']})" if s["sizing"] else ""), flush=True)
+            if s["sizing"]:
+                summary.sizing[s["device"]] = {"max_num_seqs": s["max_num_seqs"], "vllm_pool_holds": s["sizing_holds"],
+                                               "check": s["sizing"]}
         self.tracker.update(s)
         if self.run_canary and self.canary_rows < config.quality.canary_rows:
             self.canary_rows += s["num_rows"]
