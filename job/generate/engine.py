@@ -157,7 +157,8 @@ class CompletionGenerator:
         log.info("engine ready in %.1f s (pid %d)", time.monotonic() - started, os.getpid())
         self.sizing_line, self.sizing_holds = "", 0
         if sizing is not None:  # vLLM's own figures, now that it has laid out its cache
-            line, self.sizing_holds = engine_sizing.check_against_vllm(sizing, logged_since(log_from))
+            line, self.sizing_holds = engine_sizing.check_against_vllm(
+                sizing, self.engine.vllm_config.cache_config.num_gpu_blocks, logged_since(log_from))
             fits = self.sizing_holds >= sizing.max_num_seqs
             self.sizing_line = line + ("" if fits else (
                 ": vLLM's pool is smaller than the sums assumed, so full batches will preempt; lower "

@@ -227,30 +227,25 @@ def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
 
 _AVAILABLE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 _BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
-_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
-def check_against_vllm(sizing: Sizing, logged: str) -> tuple[str, int]:
-    """The sums set beside vLLM's own figures from the engine's start-up log, and how many sequences of
-    `kv_tokens_per_seq` tokens its pool holds (vLLM's concurrency at max_model_len times our blocks per sequence at
-    that length is its pool in blocks, as it laid it out). No figure in the log: the chosen number, unchecked."""
-    concurrency = _CONCURRENCY.findall(logged)
-    if not concurrency:
-        return ("engine_kwargs.max_num_seqs auto: vLLM's log had no 'Maximum concurrency' line to check against "
-                "(VLLM_LOGGING_LEVEL above INFO?)", sizing.max_num_seqs)
-    max_len, times = int(concurrency[-1][0].replace(",", "")), float(concurrency[-1][1])
-    blocks = round(times * sizing.cost.blocks(max_len))  # vLLM's pool, in blocks as our layout counts them
-    holds = blocks // sizing.cost.blocks()
+def check_against_vllm(sizing: Sizing, num_blocks: int | None, logged: str = "") -> tuple[str, int]:
+    """The sums set beside the pool vLLM allocated (`num_blocks`, which its engine reports to the client after start)
+    and how many sequences of `kv_tokens_per_seq` tokens that pool holds, in the layout the sums assume. `logged`:
+    the engine's start-up log, for its own figures where it printed them (INFO level): memory available for the
+    cache, and the attention block size it chose (a different one means the layout differs from the sums).
+    No block count: the chosen number, unchecked."""
+    if not num_blocks:
+        return "engine_kwargs.max_num_seqs auto: vLLM reported no cache size to check against", sizing.max_num_seqs
+    holds = num_blocks // sizing.cost.blocks()
     available = _AVAILABLE.findall(logged)
     block = _BLOCK.findall(logged)
-    if block and int(block[-1]) != sizing.cost.block_size:
-        note = f"; vLLM's attention blocks are {block[-1]} tokens, the sums assumed {sizing.cost.block_size}"
-    else:
-        note = ""
-    said = f"vLLM: available {float(available[-1]):.1f} GiB, " if available else "vLLM: "
-    line = (f"engine_kwargs.max_num_seqs auto, checked: {said}{times:.2f}x at {max_len:,} tokens = {blocks:,} blocks "
-            f"= {blocks * sizing.cost.block_bytes / GIB:.1f} GiB (predicted {sizing.pool_bytes / GIB:.1f} GiB), "
-            f"which hold {holds} sequences of {sizing.cost.tokens:,} tokens; chose {sizing.max_num_seqs}{note}")
+    said = f" (vLLM: {float(available[-1]):.1f} GiB available)" if available else ""
+    note = (f"; vLLM's attention blocks are {block[-1]} tokens, the sums assumed {sizing.cost.block_size}"
+            if block and int(block[-1]) != sizing.cost.block_size else "")
+    line = (f"engine_kwargs.max_num_seqs auto, checked: vLLM's pool is {num_blocks:,} blocks = "
+            f"{num_blocks * sizing.cost.block_bytes / GIB:.1f} GiB{said}, predicted {sizing.pool_bytes / GIB:.1f} GiB; "
+            f"it holds {holds} sequences of {sizing.cost.tokens:,} tokens; chose {sizing.max_num_seqs}{note}")
     return line, holds
 
 
