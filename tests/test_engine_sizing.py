@@ -26,18 +26,22 @@ def dummy_27b(tiny_hybrid_dir: str, tmp_path: Path) -> str:
 
 
 def test_the_27b_cache_laid_out_as_vllm_lays_it_out(tiny_hybrid_dir, tmp_path):
-    """The figures vLLM 0.26 logged for this shape on an H200: 784-token attention blocks (a GDN state is 3,207,168
-    bytes: 10,240 conv channels x 3 x 2 B + 48 heads x 128 x 128 x 4 B), one page per layer in groups of 16 layers,
-    and 17 with the MTP layer's KV (vLLM's 1.5x rule keeps it from doubling the groups)."""
+    """The figures vLLM 0.26 logged for this shape on an H200 with MTP (docs/BENCHMARKS.md, issue 34): 800-token
+    attention blocks (a GDN state is 3,207,168 bytes: 10,240 conv channels x 3 x 2 B + 48 heads x 128 x 128 x 4 B; a
+    block of one layer's KV, 4,096 B a token, as large, in multiples of 32 tokens), one page per layer in groups of 16
+    layers, and 17 with the MTP layer's KV (vLLM's 1.5x rule keeps it from doubling the groups); its pool of 1,423
+    blocks was 23.33 sequences of 40,960 tokens."""
     config = target.config_json(dummy_27b(tiny_hybrid_dir, tmp_path))
     plain = sequence_cost(config, {"enable_prefix_caching": False}, 8192)
     assert plain.state_bytes == 10_240 * 3 * 2 + 48 * 128 * 128 * 4
     assert plain.kv_bytes_per_token == 2 * 4 * 256 * 2
-    assert (plain.block_size, plain.group_size, plain.state_groups, plain.attention_groups) == (784, 16, 3, 1)
+    assert (plain.block_size, plain.group_size, plain.state_groups, plain.attention_groups) == (800, 16, 3, 1)
     assert plain.blocks() == 3 * 1 + 11  # one state slot per group; 8,192 tokens in 11 blocks
     mtp = sequence_cost(config, {"enable_prefix_caching": False,
                                  "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}, 8192)
     assert (mtp.state_slots, mtp.group_size, mtp.state_groups, mtp.attention_groups) == (3, 17, 3, 1)
+    assert round(1_423 / mtp.blocks(40_960), 2) == 23.33  # vLLM's "Maximum concurrency for 40,960 tokens": 23.33x
+    assert 1_423 * mtp.block_bytes / 2 ** 30 < 73.84  # within the 73.84 GiB vLLM said it had for the cache
     cached = sequence_cost(config, {"enable_prefix_caching": True}, 8192)
     assert cached.state_slots == 2  # vLLM's 'align' mode keeps one more state per sequence
 
