@@ -216,3 +216,14 @@ def test_an_engine_that_does_not_start_in_time_ends_the_run_once_with_the_reason
     assert last.startswith("error: the vLLM engine for model") and \
         "did not start within 1 s (generate.engine_start_timeout_s)" in last, err[-3000:]
     assert not list(out.glob("completions/*.arrow")), "no shard was written"
+
+
+def test_per_request_seeds_on_the_cpu_build_are_refused_before_an_engine_starts(tiny_model_dir):
+    """vLLM's CPU build dies at the first step on per-request seeds, every time: the actor refuses the setting there
+    (known_engine_problem) rather than let Ray replace the engine for ever. GPUs take it (at a throughput cost)."""
+    from job.generate.engine_start import known_engine_problem
+
+    problem = known_engine_problem(tiny_model_dir, {}, {}, on_gpu=False, per_request_seed=True)
+    assert problem and "generate.per_request_seed: true on vLLM's CPU build" in problem
+    assert known_engine_problem(tiny_model_dir, {}, {}, on_gpu=True, per_request_seed=True) is None
+    assert known_engine_problem(tiny_model_dir, {}, {}, on_gpu=False) is None  # the default: off

