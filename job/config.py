@@ -223,7 +223,10 @@ class HiddenStatesConfig:
     backend: str = "transformers"
     """'transformers' (reference) or 'vllm' (fast prefill path; needs a CUDA GPU)."""
     dtype: str = "bfloat16"
-    """Compute and storage dtype of the features: bfloat16, float16 or float32."""
+    """Storage dtype of the features: bfloat16, float16 or float32 (also the compute dtype), or float8_e4m3fn:
+    computed in bfloat16, stored as float8 e4m3 with a float32 scale per token and layer (job/hidden_states/fp8.py),
+    ~half the bytes of bf16 at ~2.6 % relative L2 error per layer (docs/BENCHMARKS.md). Readers (`load`, the
+    exports, the notebook) get bfloat16 back; streaming (`export.stream`) streams the bfloat16 features as computed."""
     keep_flagged: bool = True
     """Keep rows with quality flags (error rows are always skipped)."""
     batch_tokens: int = 16384
@@ -253,6 +256,11 @@ class HiddenStatesConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vllm.LLM keyword arguments for the vllm backend, passed through untouched."""
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the model runs in and features are computed in: `dtype`, or bfloat16 for FP8 storage."""
+        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+
     def __post_init__(self):
         check_fields(self, "hidden_states")
         if self.layer_ids != EVERY_TRAINER and (
@@ -263,8 +271,8 @@ class HiddenStatesConfig:
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"config: hidden_states.backend must be 'transformers' or 'vllm', "
                               f"got {self.backend!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16 or float32, "
+        if self.dtype not in ("bfloat16", "float16", "float32", "float8_e4m3fn"):
+            raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16, float32 or float8_e4m3fn, "
                               f"got {self.dtype!r}")
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "

@@ -111,18 +111,22 @@ def completion_schema(carried: pa.Schema | None = None) -> pa.Schema:
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 HIDDEN_STATES = "hidden_states"  # bf16 bits stored as fixed-size binary per token, see hidden_states_schema below
+HIDDEN_STATE_SCALES = "hidden_state_scales"  # FP8 storage only: float32 scale per token and layer
 NUM_TOKENS = "num_tokens"
 CLIPPED = "clipped"  # true when prompt + completion was longer than max_length and was cut
 ORIGINAL_NUM_TOKENS = "original_num_tokens"
 
 # Bytes one token takes in a hidden-state shard: its features (layers × hidden × the dtype's item size), plus its
 # input id (int32) and loss-mask value (uint8) stored next to them.
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 BYTES_PER_TOKEN_EXTRA = 4 + 1
+FP8 = "float8_e4m3fn"
+FP8_SCALE_BYTES = 4  # float32, one per token and layer (job/hidden_states/fp8.py)
 
 
 def hidden_state_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
-    return num_layers * hidden_size * ITEMSIZE[dtype] + BYTES_PER_TOKEN_EXTRA
+    scales = num_layers * FP8_SCALE_BYTES if dtype == FP8 else 0
+    return num_layers * hidden_size * ITEMSIZE[dtype] + scales + BYTES_PER_TOKEN_EXTRA
 
 
 # Schema metadata key of a completion shard: a fresh id per commit. A shard regenerated under the same name has
@@ -159,7 +163,9 @@ def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, 
     sample's features are one contiguous, uncompressed [num_tokens, num_layers, hidden] block in the file.
 
     Metadata records both layer-id conventions: ours (`layer_ids`) and vLLM's (`vllm_layer_ids`, ours + 1), and
-    whether the model's last layer, when captured, is stored after the final norm or before it."""
+    whether the model's last layer, when captured, is stored after the final norm or before it. With `dtype`
+    float8_e4m3fn, `hidden_state_scales` (list<fixed_size_binary(num_layers × 4)>, aligned with `hidden_states`)
+    holds each token's float32 scale per layer: features = fp8 value × scale."""
     width = len(layer_ids) * hidden_size * ITEMSIZE[dtype]
     metadata = {
         META_MODEL: model,
@@ -181,4 +187,5 @@ def hidden_states_schema(*, model: str, layer_ids: list[int], hidden_size: int, 
         pa.field(ORIGINAL_NUM_TOKENS, pa.int32()),
         pa.field(CLIPPED, pa.bool_()),
         pa.field(HIDDEN_STATES, pa.list_(pa.binary(width))),
-    ], metadata=metadata)
+    ] + ([pa.field(HIDDEN_STATE_SCALES, pa.list_(pa.binary(len(layer_ids) * FP8_SCALE_BYTES)))] if dtype == FP8
+         else []), metadata=metadata)

@@ -32,7 +32,7 @@ from job.export.trainer_format import (
     specforge_vocab_mapping,
     trainer_sample,
 )
-from job.hidden_states.shards import BackgroundWriter, iter_records
+from job.hidden_states.shards import BackgroundWriter, iter_records, record_dtype
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing
@@ -151,7 +151,8 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
-    layer_ids, num_layers, before_norm, stored_model, dtype = _run_layout(shard_uris, storage_config)
+    layer_ids, num_layers, before_norm, stored_model, stored_dtype = _run_layout(shard_uris, storage_config)
+    dtype = record_dtype(stored_dtype)  # FP8 shards are read back, and exported, as bfloat16 (no trainer reads FP8)
     model = model or stored_model
     if not os.path.isdir(model):
         raise ExportError(f"export: the run's target model {model!r} is not a directory on this machine; the export "
@@ -167,6 +168,8 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
                               f"({target_vocab_size})")
         plan.notes.update(draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size)
     fields = manifest_fields(plan, dtype)
+    if stored_dtype != dtype:
+        fields["stored_dtype"] = stored_dtype
     fields["draft_config"] = checked_draft_config(plan, fields, draft_config)  # before anything is written
 
     written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end

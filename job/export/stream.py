@@ -59,7 +59,7 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None, los
     num_layers = target.shape(config.model).num_layers
     hs = config.hidden_states
     plan = with_final_norm(make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers,
-                                     hs.last_layer_before_norm, layers, model=config.model, dtype=hs.dtype,
+                                     hs.last_layer_before_norm, layers, model=config.model, dtype=hs.compute_dtype,
                                      loss_turns=loss_turns))
-    return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.dtype},
+    return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.compute_dtype},
                                        batch_size=None, concurrency=1)

@@ -16,8 +16,10 @@ import pyarrow as pa
 from job import layout, redaction, schema, storage
 from job.cluster import model_missing_here
 from job.config import ConfigError, from_dict
+from job.hidden_states import fp8
 from job.hidden_states.checks import (
     FeatureStats,
+    HiddenStateCheckError,
     compare,
     pick_samples,
     reference_features,
@@ -64,18 +66,18 @@ class HiddenStateExtractor:
                 raise ConfigError(reason)
 
             if check:  # the reference forward runs first and is freed: vLLM then takes its share of the GPU
-                model = load_model(self.config.model, dtype=hs.dtype)
+                model = load_model(self.config.model, dtype=hs.compute_dtype)
                 reference = reference_features(model, check, layer_ids, hs.last_layer_before_norm)
                 del model
                 torch.cuda.empty_cache()
-            self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.dtype,
+            self.extractor = VllmExtractor(self.config.model, layer_ids=layer_ids, dtype=hs.compute_dtype,
                                            max_length=hs.max_length, engine_kwargs=hs.engine_kwargs,
                                            min_rms=hs.min_rms, max_rms=hs.max_rms,
                                            last_layer_before_norm=hs.last_layer_before_norm)
         else:
             if not torch.cuda.is_available():
                 torch.set_num_threads(max(1, os.cpu_count() or 1))  # Ray gives a CPU actor 1 thread by default
-            model = load_model(self.config.model, dtype=hs.dtype)
+            model = load_model(self.config.model, dtype=hs.compute_dtype)
             try:
                 self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
                                                        min_rms=hs.min_rms, max_rms=hs.max_rms,
@@ -105,11 +107,21 @@ class HiddenStateExtractor:
 
         ex, hs = self.extractor, self.config.hidden_states
         (part,) = list(ex.run([(0, samples)], pooled=False))
-        batched = split_features(part.samples, part.features, len(ex.layer_ids), ex.hidden_size, hs.dtype)
+        batched = split_features(part.samples, part.features, len(ex.layer_ids), ex.hidden_size, hs.compute_dtype)
         where = f"{hs.backend} backend" + (f", {ex.attention} batches" if hasattr(ex, "attention") else "")
         summary = verdict(compare(part.samples, batched, reference, ex.layer_ids),
-                          tolerance_for(hs.dtype, hs.check_tolerance), where)
+                          tolerance_for(hs.compute_dtype, hs.check_tolerance), where)
         ex.stats, ex.feature_stats = RunStats(), FeatureStats(ex.layer_ids, ex.hidden_size)  # not the run's work
+        if fp8.is_fp8(hs.dtype):  # what is stored: the same features through FP8 and back, layer by layer
+            errors = [fp8.relative_l2(x, fp8.dequantize(*fp8.quantize(x))) for x in batched]
+            worst = np.max(errors, axis=0)
+            if worst.max() > fp8.ROUND_TRIP_TOLERANCE:
+                raise HiddenStateCheckError(
+                    f"FP8 storage self-check failed: layer {ex.layer_ids[int(worst.argmax())]} loses "
+                    f"{worst.max():.2%} (relative L2) through float8_e4m3fn and back, above "
+                    f"{fp8.ROUND_TRIP_TOLERANCE:.0%}: its features do not suit FP8 storage; use bfloat16. Nothing "
+                    "was written.")
+            summary["fp8_round_trip_by_layer"] = {str(k): float(e) for k, e in zip(ex.layer_ids, worst)}
         return {**summary, "where": where}
 
     def __call__(self, batch: dict):
@@ -157,8 +169,17 @@ class HiddenStateExtractor:
         self.extractor.feature_stats = FeatureStats(self.extractor.layer_ids, self.extractor.hidden_size)  # per unit
         writer, written = BackgroundWriter(max_pending=2), []
 
+        stored_fp8 = fp8.is_fp8(cfg.hidden_states.dtype)
+        L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
+
         def write(part):
-            buf = table_to_ipc(part_table(part.samples, part.features, part_schema))
+            if stored_fp8:  # computed in bf16, stored as FP8 + a scale per token and layer
+                tokens = sum(s.num_tokens for s in part.samples)
+                features, scales = fp8.quantize_features(part.features, tokens, L, H, cfg.hidden_states.compute_dtype)
+                table = part_table(part.samples, features, part_schema, scales)
+            else:
+                table = part_table(part.samples, part.features, part_schema)
+            buf = table_to_ipc(table)
             part.release()
             uri = storage.join(out, names[part.index])
             storage.write_bytes_atomic(uri, buf, cfg.storage, self.guard)
@@ -192,7 +213,7 @@ class HiddenStateExtractor:
 
     def _stream(self, unit: HiddenStateUnit):
         parts, _, _ = self._samples(unit)
-        view = STREAM_DTYPES[self.config.hidden_states.dtype]
+        view = STREAM_DTYPES[self.config.hidden_states.compute_dtype]  # streams are never FP8
         L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
         for part in self.extractor.run(list(enumerate(parts)), pooled=False):
             feats = part.features.view(view)

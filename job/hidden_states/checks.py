@@ -95,7 +95,10 @@ FIRST_TOKENS = 16
 # last bits (measured <= 1e-6 on the tiny models). bf16/fp16: rounding differs between batch shapes and kernels
 # (measured <= 0.3 % on the tiny hybrid, 1.8 % on a random 8-layer hidden-2048 Qwen3.5 shape on CPU); 5 % leaves
 # room for 64 layers and for vLLM's own kernels, and is still far below what a leak does (73-78 % on that shape).
-DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05,
+                     # Stored FP8 against a plain forward: bf16's 5 % plus FP8's rounding (2.6 % relative L2 per
+                     # layer measured on the tiny target; fp8.ROUND_TRIP_TOLERANCE bounds it at 5 % in every run).
+                     "float8_e4m3fn": 0.10}
 
 
 def tolerance_for(dtype: str, configured: float | None) -> float:

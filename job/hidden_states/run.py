@@ -29,7 +29,7 @@ from job.formatting import format_bytes
 from job.hidden_states.actor import HiddenStateExtractor, vllm_unavailable_reason
 from job.hidden_states.checks import HiddenStateCheckError, compare, reference_features, tolerance_for, verdict
 from job.hidden_states.samples import Sample
-from job.hidden_states.shards import iter_records
+from job.hidden_states.shards import iter_records, record_dtype
 from job.hidden_states.transformers_backend import load_model
 from job.layout import HiddenStateUnit
 
@@ -412,7 +412,7 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
         samples.append(Sample(id=record[schema.ID], input_ids=record[schema.INPUT_IDS].numpy(), num_prompt_tokens=0,
                               original_num_tokens=len(record[schema.INPUT_IDS]), row=len(samples)))
         stored.append(record[schema.HIDDEN_STATES].clone())
-    model = load_model(config.model, dtype=dtype)
+    model = load_model(config.model, dtype=record_dtype(dtype))  # FP8 shards were computed in bfloat16
     reference = reference_features(model, samples, layer_ids, before_norm)
     tolerance = tolerance_for(dtype, config.hidden_states.check_tolerance)
     summary = verdict(compare(samples, stored, reference, layer_ids), tolerance,

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from job import scan, schema, storage
+from job.hidden_states import fp8
 from job.hidden_states.samples import Sample
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -22,9 +23,11 @@ from job.hidden_states.samples import Sample
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def part_table(samples: list[Sample], features: np.ndarray, hs_schema: pa.Schema) -> pa.Table:
+def part_table(samples: list[Sample], features: np.ndarray, hs_schema: pa.Schema,
+               scales: np.ndarray | None = None) -> pa.Table:
     """Arrow table of one part. `features` (uint8, the samples' [n, L, H] blocks back to back) is wrapped, not
-    copied: keep it alive and unchanged until the table is serialized."""
+    copied: keep it alive and unchanged until the table is serialized. `scales` (float32 [tokens, L]): FP8 storage's
+    per-token, per-layer scales (job/hidden_states/fp8.py), for a schema with that column."""
     counts = np.array([s.num_tokens for s in samples], dtype=np.int64)
     offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
     total = int(counts.sum())
@@ -42,6 +45,11 @@ def part_table(samples: list[Sample], features: np.ndarray, hs_schema: pa.Schema
         pa.array([s.clipped for s in samples], pa.bool_()),
         pa.ListArray.from_arrays(offsets, child, type=hs_type),
     ]
+    if schema.HIDDEN_STATE_SCALES in hs_schema.names:
+        scale_type = hs_schema.field(schema.HIDDEN_STATE_SCALES).type
+        raw = np.ascontiguousarray(scales[:total], dtype=np.float32).view(np.uint8).reshape(-1)
+        scale_child = pa.FixedSizeBinaryArray.from_buffers(scale_type.value_type, total, [None, pa.py_buffer(raw)])
+        columns.append(pa.ListArray.from_arrays(offsets, scale_child, type=scale_type))
     return pa.Table.from_arrays(columns, schema=hs_schema)
 
 
@@ -60,17 +68,24 @@ def table_to_ipc(table: pa.Table) -> pa.Buffer:
 def torch_dtypes() -> dict:
     import torch  # heavy: imported on use
 
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def torch_dtype(name: str):
     return torch_dtypes()[name]
 
 
+def record_dtype(stored: str) -> str:
+    """The dtype `iter_records` gives features in for shards stored in `stored`: FP8 is read back as bfloat16."""
+    return "bfloat16" if stored == schema.FP8 else stored
+
+
 def iter_records(table: pa.Table) -> Iterator[dict]:
     """One dict per sample; `hidden_states` is a torch tensor [num_tokens, num_layers, hidden] that views the
     table's buffer (no copy: with a memory-mapped file nothing is read until used). Treat the tensors as
-    read-only (`.clone()` to modify): they share memory with the file mapping."""
+    read-only (`.clone()` to modify): they share memory with the file mapping. FP8 shards are dequantized into a
+    new bfloat16 tensor per sample (a copy: `record_dtype`)."""
     import torch  # heavy: imported on use
 
     meta = table.schema.metadata
@@ -92,11 +107,18 @@ def iter_records(table: pa.Table) -> Iterator[dict]:
             m_off, m_val = mask.offsets.to_numpy(), mask.values.to_numpy()
             clipped = batch.column(schema.CLIPPED).to_pylist()
             original = batch.column(schema.ORIGINAL_NUM_TOKENS).to_pylist()
+            if dtype == schema.FP8:
+                sc = batch.column(schema.HIDDEN_STATE_SCALES).values
+                sc_data = np.frombuffer(sc.buffers()[1], dtype=np.float32)[sc.offset * len(layer_ids):]
             for i in range(batch.num_rows):
                 n = int(hs_off[i + 1] - hs_off[i])
                 start = (child.offset + int(hs_off[i])) * width
                 features = torch.from_numpy(data[start:start + n * width]).view(tdtype).view(n, len(layer_ids),
                                                                                               hidden)
+                if dtype == schema.FP8:
+                    at = int(hs_off[i]) * len(layer_ids)
+                    scale = torch.from_numpy(sc_data[at:at + n * len(layer_ids)]).view(n, len(layer_ids))
+                    features = fp8.dequantize(features, scale)
                 yield {
                     schema.ID: ids[i],
                     schema.INPUT_IDS: torch.from_numpy(in_val[in_off[i]:in_off[i + 1]]),

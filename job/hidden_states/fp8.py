@@ -1,0 +1,69 @@
+"""FP8 feature storage (`hidden_states.dtype: float8_e4m3fn`): features are computed in bfloat16 and stored as
+float8 e4m3 with one float32 scale per token and layer, about half the bytes of bf16.
+
+A token's layer vector x (hidden values) is stored as q = fp8(x / s) with s = max|x| / 448 (e4m3's largest finite
+value), so the largest entry uses the whole range and nothing overflows; reading gives q * s. A scale per layer, not
+only per token: the layers of one token differ in scale by orders of magnitude (the last layer before the final norm
+is ~10-100x the first), and one scale for all of them would push the small layers into e4m3's subnormals. It costs
+4 bytes per layer a token beside hidden bytes (0.08 % at hidden 5,120). docs/BENCHMARKS.md has the error measured.
+
+e4m3 keeps 3 mantissa bits: a value's rounding error is at most 2^-4 of it (6.25 %), and values below 2^-6 of the
+vector's max land among the subnormals (absolute error up to s * 2^-10). `ROUND_TRIP_TOLERANCE` bounds the relative
+L2 error of a whole layer vector, which is what the self-check holds a run to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STORED = "float8_e4m3fn"
+COMPUTE = "bfloat16"  # what an FP8 run computes in, and what reading one gives back
+E4M3_MAX = 448.0
+SCALE_BYTES = 4  # float32, per token and layer
+# Relative L2 error of one dequantized layer vector: uniform rounding error of 3 mantissa bits is ~2^-4 / sqrt(3)
+# = 3.6 % of each value at most and ~2.2 % on Gaussian-like activations; 5 % leaves room for heavy tails.
+ROUND_TRIP_TOLERANCE = 0.05
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype == STORED
+
+
+def quantize(x):
+    """x: torch tensor [..., hidden] (any float dtype) -> (fp8 tensor [..., hidden], float32 scales [...])."""
+    import torch  # heavy: imported on use
+
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.squeeze(-1)
+
+
+def dequantize(q, scale, dtype=None):
+    """The inverse of `quantize`: q [..., hidden] fp8, scale [...] float32 -> [..., hidden] in `dtype` (bfloat16)."""
+    import torch  # heavy: imported on use
+
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype or torch.bfloat16)
+
+
+def quantize_features(features: np.ndarray, tokens: int, num_layers: int, hidden: int, compute_dtype: str
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """A part's features as the backends produce them (uint8 bytes of [tokens, layers, hidden] in `compute_dtype`,
+    with slack after the last token in a pooled buffer) -> (fp8 bytes [tokens * layers * hidden], float32 scales
+    [tokens, layers])."""
+    import torch  # heavy: imported on use
+
+    from job.hidden_states.shards import torch_dtype
+
+    dtype = torch_dtype(compute_dtype)
+    width = num_layers * hidden * dtype.itemsize
+    x = torch.from_numpy(features[:tokens * width]).view(dtype).view(tokens, num_layers, hidden)
+    q, scale = quantize(x)
+    return q.view(torch.uint8).numpy().reshape(-1), scale.numpy()
+
+
+def relative_l2(x, y) -> "np.ndarray":
+    """Per layer: ||x - y|| / ||x|| over every token, x and y [tokens, layers, hidden]."""
+    x32, y32 = x.float(), y.float()
+    return ((x32 - y32).norm(dim=(0, 2)) / x32.norm(dim=(0, 2)).clamp_min(1e-30)).numpy()
