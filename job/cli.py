@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"completion shard bytes per output token (default {plan.DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
     pl.add_argument("--usd-per-gb-month", type=float, default=plan.DEFAULT_USD_PER_GB_MONTH,
                     help="object storage price, for the monthly hidden-state line (default %(default)s)")
+    pl.add_argument("--stage2-tokens-per-s-per-gpu", type=float, default=plan.DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU,
+                    help="stage-2 tokens/s per GPU, prompt + completion (default %(default)s: one H200, the 27B "
+                         "hybrid shape, docs/BENCHMARKS.md)")
+    pl.add_argument("--epochs", type=int, default=1,
+                    help="training epochs over the data: streaming extracts once per epoch (default %(default)s)")
+    pl.add_argument("--months-stored", type=float, default=1.0,
+                    help="months stored hidden states are kept, for the three ways' totals (default %(default)s)")
     pl.add_argument("--from", dest="from_run", metavar="RUN_URI",
                     help="take tokens per prompt, tokens/s per GPU and bytes per token from a run (finished or "
                          "running)")

@@ -136,3 +136,26 @@ def test_from_bench_accepts_bench_generate_results_and_refuses_others(tmp_path, 
         assert expected in capsys.readouterr().err
     assert cli.main(["plan", *REAL_RUN, "--from-bench", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_three_ways_to_feed_the_trainer():
+    """Issue 32: stored bf16, stored FP8 (half the bytes + a 4 B scale per token and layer), streamed (stage 2 once
+    per epoch, nothing stored): GPU-hours, bytes and dollars of each from the same inputs."""
+    e = estimate(PlanInputs(num_prompts=914_000, output_tokens_per_prompt=2500, num_gpus=7,
+                            output_tokens_per_s_per_gpu=2000, usd_per_gpu_hour=3.81, epochs=3, months_stored=2))
+    ways, tokens = e["hidden_state_ways"], 2_285_000_000
+    stage2_hours = tokens / plan.DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU / 3600
+    bf16, fp8, streamed = ways["stored_bf16"], ways["stored_fp8"], ways["streamed"]
+    assert bf16["bytes"] == e["hidden_state_bytes"] == tokens * 71_680
+    assert fp8["bytes_per_token"] == 71_680 / 2 + 4 * 7  # 7 layers of hidden 5,120
+    assert bf16["stage2_gpu_hours"] == fp8["stage2_gpu_hours"] == pytest.approx(stage2_hours)
+    assert streamed["bytes"] == 0 and streamed["stage2_gpu_hours"] == pytest.approx(3 * stage2_hours)
+    assert bf16["storage_usd"] == pytest.approx(tokens * 71_680 / 1e9 * 0.023 * 2)
+    assert fp8["total_usd"] == pytest.approx(stage2_hours * 3.81 + fp8["bytes"] / 1e9 * 0.023 * 2)
+
+
+def test_cli_prints_the_three_ways(capsys):
+    assert cli.main(["plan", *REAL_RUN]) == 0
+    out = capsys.readouterr().out
+    assert "three ways" in out
+    assert "stored bf16  163.8 TB" in out and "stored FP8    82.0 TB" in out and "streamed          0 B" in out

@@ -20,6 +20,12 @@ The arithmetic, all of it:
                          or prompts × measured shard bytes per row with --from
     hidden states      = (prompt + output tokens) × hidden bytes per token (layers × hidden size × 2 B for bf16)
 
+Three ways to get the hidden states to the trainer (issue 32), each with its GPU-hours, bytes and money:
+    stage 2 GPU-hours  = (prompt + output tokens) / stage-2 tokens/s per GPU / 3600
+    stored bf16        = stage 2 once + hidden states × $ per GB-month × months kept
+    stored FP8         = stage 2 once + (hidden bytes / 2 + 4 B of scale per token and layer) × $ × months
+    streamed           = stage 2 once per training epoch beside the trainer, nothing stored
+
 `--from RUN` replaces the guesses with what a run measured: output tokens per prompt (mean over its shards,
 error rows included since they happen in the full run too), prompt tokens per prompt, shard bytes per row,
 and tokens/s per GPU: `generate.output_tokens_per_s` of run.json (written when the job completes) over its GPUs
@@ -59,6 +65,10 @@ DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
 PROMPT_ID_BYTES = 4  # prompt_token_ids: int32 per prompt token
 # S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
 DEFAULT_USD_PER_GB_MONTH = 0.023
+# Stage 2 on one H200, Qwen3.6-27B hybrid shape, transformers backend with varlen GDN kernels (docs/BENCHMARKS.md,
+# "The target's architecture ... on one H200"): prompt + completion tokens per second per GPU.
+DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 10_136
+FP8_SCALE_BYTES = 4  # float32 per token and layer (job/hidden_states/fp8.py)
 
 
 class PlanError(ValueError):
@@ -79,13 +89,19 @@ class PlanInputs:
     """Measured shard bytes per row (`--from`): replaces the per-token estimate, prompts and carried columns
     included."""
     usd_per_gb_month: float = DEFAULT_USD_PER_GB_MONTH
+    stage2_tokens_per_s_per_gpu: float = DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU
+    epochs: int = 1
+    """Training epochs over the data: a streamed run extracts once per epoch."""
+    months_stored: float = 1.0
+    """How long stored hidden states are kept (the training and its reruns)."""
 
     def __post_init__(self):
-        for name in ("num_prompts", "output_tokens_per_prompt", "num_gpus", "output_tokens_per_s_per_gpu"):
+        for name in ("num_prompts", "output_tokens_per_prompt", "num_gpus", "output_tokens_per_s_per_gpu",
+                     "stage2_tokens_per_s_per_gpu", "epochs"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"plan: {name} must be > 0, got {getattr(self, name)!r}")
         for name in ("usd_per_gpu_hour", "prompt_tokens_per_prompt", "hidden_bytes_per_token",
-                     "completion_bytes_per_token", "usd_per_gb_month"):
+                     "completion_bytes_per_token", "usd_per_gb_month", "months_stored"):
             if getattr(self, name) < 0:
                 raise PlanError(f"plan: {name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -118,7 +134,25 @@ def estimate(p: PlanInputs) -> dict:
         "completion_bytes": completion_bytes,
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_usd_per_month": hidden_bytes / 1e9 * p.usd_per_gb_month,
+        "hidden_state_ways": hidden_state_ways(p, output_tokens + prompt_tokens),
     }
+
+
+def hidden_state_ways(p: PlanInputs, tokens: float) -> dict:
+    """Stored bf16, stored FP8, streamed: stage-2 GPU-hours, bytes and dollars of each (module docstring). FP8's
+    bytes assume hidden size 5,120 for the scales (Qwen3.6-27B; 0.08 % of the bytes)."""
+    stage2_gpu_hours = tokens / p.stage2_tokens_per_s_per_gpu / 3600
+    layers = p.hidden_bytes_per_token / (2 * QWEN36_27B_HIDDEN_SIZE)
+    fp8_per_token = p.hidden_bytes_per_token / 2 + FP8_SCALE_BYTES * layers
+
+    def way(gpu_hours: float, stored_bytes: float) -> dict:
+        compute, storage = gpu_hours * p.usd_per_gpu_hour, stored_bytes / 1e9 * p.usd_per_gb_month * p.months_stored
+        return {"stage2_gpu_hours": gpu_hours, "bytes": stored_bytes, "compute_usd": compute, "storage_usd": storage,
+                "total_usd": compute + storage}
+
+    return {"stored_bf16": way(stage2_gpu_hours, tokens * p.hidden_bytes_per_token),
+            "stored_fp8": {**way(stage2_gpu_hours, tokens * fp8_per_token), "bytes_per_token": fp8_per_token},
+            "streamed": way(stage2_gpu_hours * p.epochs, 0.0)}
 
 
 def format_plan(e: dict, measured: dict | None = None) -> str:
@@ -155,9 +189,27 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
             f"layers that serve EAGLE-3 too (60 and the last, 63: "
             f"+{DEFAULT_HIDDEN_BYTES_PER_TOKEN - DFLASH_ONLY_BYTES_PER_TOKEN:,} B per token over DFlash's 5 layers, "
             f"{DFLASH_ONLY_BYTES_PER_TOKEN:,} B): one stage-2 run exports to every trainer")
+    ways = e["hidden_state_ways"]
+    months = f"{p['months_stored']:g} month{'s' * (p['months_stored'] != 1)}"
     lines += [
-        "         (not included: engine start-up, ~5-15 min per (re)start; the canary; idle head node; stage 2 "
-        "compute)",
+        f"feeding  the trainer its hidden states, three ways (stage 2 at {p['stage2_tokens_per_s_per_gpu']:,.0f} "
+        f"tok/s per GPU, ${p['usd_per_gpu_hour']:,.2f} per GPU-hour; stored for {months}; "
+        f"{p['epochs']} epoch{'s' * (p['epochs'] != 1)}):",
+    ]
+    for key, label, what in (
+            ("stored_bf16", "stored bf16", "stage 2 once"),
+            ("stored_fp8", "stored FP8 ", "stage 2 once"),
+            ("streamed", "streamed   ", "stage 2 every epoch beside the trainer, nothing stored")):
+        w = ways[key]
+        stored = f"{format_bytes(w['bytes'])}" if w["bytes"] else "0 B"
+        lines.append(f"         {label} {stored:>9}  {what}: {w['stage2_gpu_hours']:,.0f} GPU-hours "
+                     f"({w['stage2_gpu_hours'] / p['num_gpus']:,.1f} h on {p['num_gpus']} GPUs) ${w['compute_usd']:,.0f}"
+                     + (f" + storage ${w['storage_usd']:,.0f}" if w["bytes"] else "")
+                     + f" = ${w['total_usd']:,.0f}")
+    lines += [
+        "         (FP8: float8 e4m3 + a float32 scale per token and layer, ~2.6 % relative L2 per layer; streaming "
+        "pays stage 2 per epoch and needs the extracting GPUs up while training)",
+        "         (not included: engine start-up, ~5-15 min per (re)start; the canary; idle head node)",
     ]
     return "\n".join(lines)
 
@@ -279,6 +331,8 @@ def plan_from_flags(args, storage_config=None) -> tuple[dict, dict | None]:
         completion_bytes_per_prompt=None if args.completion_bytes_per_token is not None
         or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
         usd_per_gb_month=args.usd_per_gb_month,
+        stage2_tokens_per_s_per_gpu=args.stage2_tokens_per_s_per_gpu, epochs=args.epochs,
+        months_stored=args.months_stored,
     )
     measured = {**(run or {}), "bench": bench} if run or bench else None
     return estimate(inputs), measured
