@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_hidden_states import make_samples, plain_forward  # noqa: E402
 
+from job.hidden_states import fp8
 from job.hidden_states.samples import plan_batches, plan_parts
 from job.hidden_states.transformers_backend import TransformersExtractor
 
@@ -62,7 +63,9 @@ def main():
     parser.add_argument("--num-samples", type=int, default=120)
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--layouts", nargs="*", default=["padded", "packed:per_sequence", "packed:varlen"],
-                        help="attention[:gdn] of each extractor timed")
+                        help="attention[:gdn[:fp8]] of each extractor timed; fp8: FP8 storage's records, quantized "
+                             "on the device before the copy, and split on the host as the writer does")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain 64-layer forward at the end")
     parser.add_argument("--profile", help="write the top CUDA kernels of 3 parts of the last layout here")
     args = parser.parse_args()
     layer_ids = [1, 16, 31, 46, 61]
@@ -76,24 +79,37 @@ def main():
     tokens = sum(s.num_tokens for s in samples)
     results["num_tokens"] = tokens
     for layout in args.layouts:
-        attention, _, gdn = layout.partition(":")
+        attention, gdn, *extra = layout.split(":") + [""]
         ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=args.batch_tokens, attention=attention,
                                    gdn=gdn or "auto")
+        ex.fp8_records = "fp8" in extra
         # Timed on the second of two full passes: fla's Triton kernels autotune on every new batch shape, and the
         # first pass pays that (measured: 52 s padded, 33 s packed on the first pass).
         for _ in range(2):
             torch.cuda.synchronize()
             t = time.perf_counter()
+            split_s, nbytes = 0.0, 0
             for part in ex.run(list(enumerate(plan_parts(samples, 8)))):
+                nbytes += part.features.nbytes  # host bytes the pass copied into parts (pool buffers, exact size)
+                if ex.fp8_records:  # the writer thread's share: FP8 records -> the shard's two columns
+                    s0 = time.perf_counter()
+                    fp8.split_records(part.features, sum(s.num_tokens for s in part.samples), len(layer_ids),
+                                      ex.hidden_size)
+                    split_s += time.perf_counter() - s0
                 part.release()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t
-        results[layout] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
+        results[layout] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "split_s": split_s,
+                           "part_bytes": nbytes,
                            "padding_waste": ex.stats.padding_waste, "wait_gpu_s": ex.stats.wait_gpu_s}
         if args.profile and layout == args.layouts[-1]:
             profile(ex, samples, args.profile)
         ex.close()
         print(layout, json.dumps(results[layout]), flush=True)
+    if args.no_plain:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        return
     ordered = [s for p in plan_parts(samples, 8) for s in p]
     batches = [ordered[a:b] for a, b in plan_batches([s.num_tokens for s in ordered], args.batch_tokens)]
     plain_forward(model, batches, "cuda", packed=False)  # its shapes are tuned already: one pass to be sure

@@ -274,6 +274,9 @@ class HiddenStatesConfig:
         if self.dtype not in ("bfloat16", "float16", "float32", "float8_e4m3fn"):
             raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16, float32 or float8_e4m3fn, "
                               f"got {self.dtype!r}")
+        if self.dtype == "float8_e4m3fn" and self.backend != "transformers":
+            raise ConfigError("config: hidden_states.dtype float8_e4m3fn needs hidden_states.backend: transformers "
+                              "(it quantizes on the device before the copy; the vllm backend stores bf16 only)")
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "
                               f"max_length ({self.max_length}): one full-length sequence must fit in a batch")

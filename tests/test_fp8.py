@@ -64,3 +64,31 @@ def test_fp8_round_trip_is_bounded_per_layer_and_safe_on_zeros():
     one_scale = x.abs().amax(dim=(1, 2), keepdim=True).clamp_min(1e-30) / fp8.E4M3_MAX
     shared = (x / one_scale).to(torch.float8_e4m3fn).float() * one_scale
     assert fp8.relative_l2(x[1:], shared[1:])[0] > 0.5  # the 1e-3 layer, lost under the 1e4 layer's scale
+
+
+def test_extractor_fp8_records_are_the_quantized_features(tiny_hybrid_dir):
+    """The transformers backend quantizes on its device before the copy (`fp8_records`): the records, split as the
+    writer splits them, hold exactly what quantizing the bf16 features it computes gives, in half the host bytes."""
+    import numpy as np
+
+    from job.hidden_states.samples import Sample, plan_parts
+    from job.hidden_states.transformers_backend import TransformersExtractor, load_model
+
+    rng = np.random.default_rng(3)
+    samples = [Sample(id=f"s{i}", input_ids=rng.integers(0, 3000, size=int(n), dtype=np.int32), num_prompt_tokens=2,
+                      original_num_tokens=int(n), row=i) for i, n in enumerate(rng.integers(5, 120, size=8))]
+    ex = TransformersExtractor(load_model(tiny_hybrid_dir, dtype="bfloat16", device="cpu"), layer_ids=[0, 1, 2, 3],
+                               batch_tokens=400)
+    L, H = len(ex.layer_ids), ex.hidden_size
+    parts = list(enumerate(plan_parts(samples, 4)))
+    plain = [(p.samples, p.features.copy()) for p in ex.run(parts, pooled=False)]
+    ex.fp8_records = True
+    assert ex.width == L * (H + 4) < L * H * 2
+    for (samples_of_part, bf16), part in zip(plain, ex.run(parts, pooled=False)):
+        tokens = sum(s.num_tokens for s in samples_of_part)
+        assert part.features.nbytes == tokens * L * (H + 4)
+        values, scales = fp8.split_records(part.features, tokens, L, H)
+        q, scale = fp8.quantize(torch.from_numpy(bf16).view(torch.bfloat16).view(tokens, L, H))
+        assert torch.equal(torch.from_numpy(values), q.view(torch.uint8).reshape(-1))
+        assert torch.equal(torch.from_numpy(scales), scale)
+    ex.close()

@@ -171,11 +171,12 @@ class HiddenStateExtractor:
 
         stored_fp8 = fp8.is_fp8(cfg.hidden_states.dtype)
         L, H = len(self.extractor.layer_ids), self.extractor.hidden_size
+        self.extractor.fp8_records = stored_fp8  # quantized on the device, before the copy (after the self-check)
 
         def write(part):
             if stored_fp8:  # computed in bf16, stored as FP8 + a scale per token and layer
                 tokens = sum(s.num_tokens for s in part.samples)
-                features, scales = fp8.quantize_features(part.features, tokens, L, H, cfg.hidden_states.compute_dtype)
+                features, scales = fp8.split_records(part.features, tokens, L, H)
                 table = part_table(part.samples, features, part_schema, scales)
             else:
                 table = part_table(part.samples, part.features, part_schema)

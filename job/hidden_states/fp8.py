@@ -47,20 +47,29 @@ def dequantize(q, scale, dtype=None):
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype or torch.bfloat16)
 
 
-def quantize_features(features: np.ndarray, tokens: int, num_layers: int, hidden: int, compute_dtype: str
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """A part's features as the backends produce them (uint8 bytes of [tokens, layers, hidden] in `compute_dtype`,
-    with slack after the last token in a pooled buffer) -> (fp8 bytes [tokens * layers * hidden], float32 scales
-    [tokens, layers])."""
+def record_width(num_layers: int, hidden: int) -> int:
+    """Bytes of one token's FP8 record: its values, then its scales."""
+    return num_layers * (hidden + SCALE_BYTES)
+
+
+def records(x):
+    """x: [tokens, layers, hidden] on any device -> uint8 [tokens, record_width]: each token's fp8 values followed
+    by its float32 scales, so that one device-to-host copy moves both (the transformers backend, on the GPU)."""
     import torch  # heavy: imported on use
 
-    from job.hidden_states.shards import torch_dtype
-
-    dtype = torch_dtype(compute_dtype)
-    width = num_layers * hidden * dtype.itemsize
-    x = torch.from_numpy(features[:tokens * width]).view(dtype).view(tokens, num_layers, hidden)
     q, scale = quantize(x)
-    return q.view(torch.uint8).numpy().reshape(-1), scale.numpy()
+    tokens = x.shape[0]
+    return torch.cat([q.view(torch.uint8).reshape(tokens, -1), scale.contiguous().view(torch.uint8).reshape(tokens, -1)],
+                     dim=1)
+
+
+def split_records(features: np.ndarray, tokens: int, num_layers: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """A part's FP8 records (uint8, `records` back to back, slack after the last) -> (fp8 bytes [tokens * layers *
+    hidden], float32 scales [tokens, layers]): the two columns of a shard. One copy of each, at memory speed."""
+    rec = features[:tokens * record_width(num_layers, hidden)].reshape(tokens, -1)
+    values = np.ascontiguousarray(rec[:, :num_layers * hidden]).reshape(-1)
+    scales = np.ascontiguousarray(rec[:, num_layers * hidden:]).view(np.float32).reshape(tokens, num_layers)
+    return values, scales
 
 
 def relative_l2(x, y) -> "np.ndarray":

@@ -36,6 +36,7 @@ import numpy as np
 
 from job import schema
 from job.config import resolve_layer_ids
+from job.hidden_states import fp8
 from job.hidden_states.checks import FeatureStats, check_features
 from job.hidden_states.packing import (
     PACKABLE_LAYERS,
@@ -130,7 +131,11 @@ class TransformersExtractor:
                 if mixer is not None:
                     mixer.forward = self._per_sequence(mixer, mixer.forward)
                     self._wrapped.append(mixer)
-        self.width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
+        self.value_width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
+        self.fp8_records = False
+        """True: each token comes back as FP8 storage's record, [fp8 values (L x H) | float32 scales (L)], quantized
+        on the device before the copy (half the bytes to copy; fp8.split_records splits a part). The actor turns it
+        on after its self-check, which compares the features as computed."""
         self.stats = RunStats()
         self.feature_stats = FeatureStats(self.layer_ids, self.hidden_size)
         self.pool = BufferPool()
@@ -150,8 +155,14 @@ class TransformersExtractor:
             self._hooks.append(module.register_forward_hook(self._make_hook(slot, stop=(k == last))))
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
-            per_buffer = batch_tokens * self.width
+            per_buffer = batch_tokens * self.value_width  # an FP8 record (L x (H + 4) bytes) is smaller
             self.staging = [torch.empty(per_buffer, dtype=torch.uint8).pin_memory() for _ in range(2)]
+
+    @property
+    def width(self) -> int:
+        """Bytes per token of what `run` yields: the features in the compute dtype, or FP8 records."""
+        L, H = len(self.layer_ids), self.hidden_size
+        return fp8.record_width(L, H) if self.fp8_records else self.value_width
 
     def _make_hook(self, slot: int, stop: bool):
         def hook(module, args, output):
@@ -251,13 +262,16 @@ class TransformersExtractor:
         self.stats.num_padded_tokens += padded_tokens
         self.stats.num_batches += 1
         pending = {"samples": samples, "counts": counts, "total": total}
+        if self.fp8_records:  # quantized where the features are (the GPU): what is copied is what is stored
+            with torch.inference_mode():
+                out = fp8.records(out)
         if self.cuda:
             done = torch.cuda.Event()
             done.record()
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(done)
                 host = self.staging[slot][:total * self.width]
-                host.copy_(out.view(-1).view(torch.uint8), non_blocking=True)
+                host.copy_(out.reshape(-1).view(torch.uint8), non_blocking=True)
                 reduced_host = reduced.to("cpu", non_blocking=True)
                 out.record_stream(self.copy_stream)
                 reduced.record_stream(self.copy_stream)
@@ -265,7 +279,7 @@ class TransformersExtractor:
                 copied.record(self.copy_stream)
             pending.update(host=host, reduced=reduced_host, event=copied)
         else:
-            pending.update(host=out.view(-1).view(torch.uint8), reduced=reduced, event=None)
+            pending.update(host=out.reshape(-1).view(torch.uint8), reduced=reduced, event=None)
         return pending
 
     def _finish(self, pending: dict) -> tuple[list[Sample], np.ndarray]:
