@@ -224,9 +224,10 @@ class HiddenStatesConfig:
     """'transformers' (reference) or 'vllm' (fast prefill path; needs a CUDA GPU)."""
     dtype: str = "bfloat16"
     """Storage dtype of the features: bfloat16, float16 or float32 (also the compute dtype), or float8_e4m3fn:
-    computed in bfloat16, stored as float8 e4m3 with a float32 scale per token and layer (job/hidden_states/fp8.py),
-    ~half the bytes of bf16 at ~2.6 % relative L2 error per layer (docs/BENCHMARKS.md). Readers (`load`, the
-    exports, the notebook) get bfloat16 back; streaming (`export.stream`) streams the bfloat16 features as computed."""
+    computed in bfloat16, stored as float8 e4m3 with a float32 scale per token and layer (job/hidden_states/fp8.py,
+    quantized on the device before the copy; the transformers backend only), ~half the bytes of bf16 at ~2.6 %
+    relative L2 error per layer (docs/BENCHMARKS.md). Readers (`load`, the exports, the notebook) get bfloat16 back;
+    streaming (`export.stream`) streams the bfloat16 features as computed."""
     keep_flagged: bool = True
     """Keep rows with quality flags (error rows are always skipped)."""
     batch_tokens: int = 16384
