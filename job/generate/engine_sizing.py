@@ -5,7 +5,7 @@ Why before: vLLM needs max_num_seqs when it builds the engine (its CUDA graphs a
 it), and it has no `auto` of its own. So the sums are ours, from config.json and the device:
 
     pool          = device memory x gpu_memory_utilization - weights - reserve          (CPU: VLLM_CPU_KVCACHE_SPACE)
-    per sequence  = state slots x Gated DeltaNet state  +  tokens x KV bytes per token  (of the attention layers)
+    per sequence  = state slots x a Gated DeltaNet state per layer + its tokens' KV, in vLLM's blocks (SequenceCost)
     max_num_seqs  = pool / per sequence, rounded down to a multiple of 8
 
 - State slots: 1 per sequence; + num_speculative_tokens with MTP (vLLM keeps a state per draft position to roll
@@ -20,9 +20,10 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
   context. An estimate: the check after start says how it compared.
 
 The device's total memory (not what is free) makes the value the same for every engine on the same GPU type, so a
-replaced engine hits the compile cache its predecessor wrote. The check after start reads vLLM's own figures from the
-engine's log ("Available KV cache memory", "Maximum concurrency for N tokens per request") and says how many of
-these sequences its pool holds; a pool smaller than the sums assumed is a warning, not an error (vLLM preempts).
+replaced engine hits the compile cache its predecessor wrote. The check after start takes the pool vLLM allocated (the
+block count its engine reports to the client) and says how many of these sequences it holds, with vLLM's own log
+figures where it printed them; a pool smaller than the sums assumed is a warning, not an error (vLLM preempts).
+Measured on an H200 (docs/BENCHMARKS.md, issue 34): the sums gave 64 with MTP, vLLM's pool held 71.
 """
 
 from __future__ import annotations
