@@ -202,6 +202,9 @@ class GenerateConfig:
                               f"got {self.regenerate!r}")
 
 
+FP8_STORAGE = "float8_e4m3fn"  # hidden_states.dtype that stores FP8 and computes in bf16 (job/hidden_states/fp8.py)
+
+
 @dataclass(kw_only=True)
 class HiddenStatesConfig:
     # Owned by the stage-2 module (job/hidden_states/).
@@ -260,7 +263,7 @@ class HiddenStatesConfig:
     @property
     def compute_dtype(self) -> str:
         """The dtype the model runs in and features are computed in: `dtype`, or bfloat16 for FP8 storage."""
-        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+        return "bfloat16" if self.dtype == FP8_STORAGE else self.dtype
 
     def __post_init__(self):
         check_fields(self, "hidden_states")
@@ -272,10 +275,10 @@ class HiddenStatesConfig:
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"config: hidden_states.backend must be 'transformers' or 'vllm', "
                               f"got {self.backend!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32", "float8_e4m3fn"):
+        if self.dtype not in ("bfloat16", "float16", "float32", FP8_STORAGE):
             raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16, float32 or float8_e4m3fn, "
                               f"got {self.dtype!r}")
-        if self.dtype == "float8_e4m3fn" and self.backend != "transformers":
+        if self.dtype == FP8_STORAGE and self.backend != "transformers":
             raise ConfigError("config: hidden_states.dtype float8_e4m3fn needs hidden_states.backend: transformers "
                               "(it quantizes on the device before the copy; the vllm backend stores bf16 only)")
         if self.batch_tokens < self.max_length:

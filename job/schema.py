@@ -120,7 +120,7 @@ ORIGINAL_NUM_TOKENS = "original_num_tokens"
 # input id (int32) and loss-mask value (uint8) stored next to them.
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 BYTES_PER_TOKEN_EXTRA = 4 + 1
-FP8 = "float8_e4m3fn"
+FP8 = "float8_e4m3fn"  # hidden_states.dtype that stores FP8 (job.config.FP8_STORAGE; job/hidden_states/fp8.py)
 FP8_SCALE_BYTES = 4  # float32, one per token and layer (job/hidden_states/fp8.py)
 
 

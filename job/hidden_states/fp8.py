@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
-STORED = "float8_e4m3fn"
-COMPUTE = "bfloat16"  # what an FP8 run computes in, and what reading one gives back
+from job.schema import FP8
+from job.schema import FP8_SCALE_BYTES as SCALE_BYTES  # float32, per token and layer
+
 E4M3_MAX = 448.0
-SCALE_BYTES = 4  # float32, per token and layer
 # Relative L2 error of one dequantized layer vector: uniform rounding error of 3 mantissa bits is ~2^-4 / sqrt(3)
 # = 3.6 % of each value at most and ~2.2 % on Gaussian-like activations; 5 % leaves room for heavy tails.
 ROUND_TRIP_TOLERANCE = 0.05
 
 
 def is_fp8(dtype: str) -> bool:
-    return dtype == STORED
+    return dtype == FP8
 
 
 def quantize(x):

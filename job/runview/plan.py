@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 from job import layout
 from job.formatting import format_bytes
 from job.runs import read_run_json
+from job.schema import FP8_SCALE_BYTES
 from job.runview.status import measure_rate, scan_completions
 from job.storage import StorageConfig
 
@@ -68,7 +69,6 @@ DEFAULT_USD_PER_GB_MONTH = 0.023
 # Stage 2 on one H200, Qwen3.6-27B hybrid shape, transformers backend with varlen GDN kernels (docs/BENCHMARKS.md,
 # "The target's architecture ... on one H200"): prompt + completion tokens per second per GPU.
 DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 10_136
-FP8_SCALE_BYTES = 4  # float32 per token and layer (job/hidden_states/fp8.py)
 
 
 class PlanError(ValueError):
