@@ -159,8 +159,8 @@ class CompletionGenerator:
                 sizing, self.engine.vllm_config.cache_config.num_gpu_blocks, logged_since(log_from))
             fits = self.sizing_holds >= sizing.max_num_seqs
             self.sizing_line = line + ("" if fits else (
-                ": vLLM's pool is smaller than the sums assumed, so full batches will preempt; lower "
-                "generate.kv_tokens_per_seq or set max_num_seqs"))
+                f": vLLM's pool is smaller than the sums assumed, so full batches will preempt; set "
+                f"engine_kwargs.max_num_seqs to {self.sizing_holds} or fewer"))
             (log.info if fits else log.warning)("%s", self.sizing_line)
         # When the stage is done Ray ends this actor, and its EngineCore process may stop before the engine's client
         # here does: vLLM then logs "AsyncLLM output_handler failed" with an EngineDeadError traceback, which after a
