@@ -11,6 +11,8 @@ on a small random bf16 model of the Qwen3.5/3.6 shape (8 layers: GDN x3 + attent
   old behaviour: what the exactness self-check must catch);
 - packed batches with the GDN layers once per batch through flash-linear-attention's varlen kernels (`gdn`
   'varlen', the default on GPUs);
+- packed varlen batches with the elementwise work fused (`fuse` 'compile' and 'fla', issue 35): `--fused` runs
+  only these rows and the unfused varlen row beside them;
 - the same for the vLLM backend (`extract_hidden_states`), on the tiny hybrid.
 """
 
@@ -44,14 +46,14 @@ def samples_of(lengths, vocab, seed=0):
                    original_num_tokens=int(n), row=i) for i, n in enumerate(lengths)]
 
 
-def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence"):
+def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence", fuse="off"):
     import torch
 
     original = TransformersExtractor._per_sequence
     if leak:
         TransformersExtractor._per_sequence = lambda self, mixer, forward: forward
     ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=65536, attention=attention,
-                               gdn="per_sequence" if leak or attention == "padded" else gdn)
+                               gdn="per_sequence" if leak or attention == "padded" else gdn, fuse=fuse)
     started = time.perf_counter()
     (part,) = list(ex.run([(0, plan_parts(samples, len(samples))[0])], pooled=False))
     if torch.cuda.is_available():
@@ -64,6 +66,7 @@ def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence"
     TransformersExtractor._per_sequence = original
     by_order = {s.id: i for i, s in enumerate(part.samples)}
     layout = ex.attention + (" without per-sequence GDN (old)" if leak else f", GDN {ex.gdn}" if ex.packed else "")
+    layout += f", fused {ex.fuse}" if ex.fuse != "off" else ""
     return {"attention": layout, "seconds": seconds,
             "max_whole": max(d.whole for d in diffs), "max_first16": max(d.first for d in diffs),
             "first_in_batch_max": max(max(d.whole, d.first) for d in diffs if by_order[d.sample] == 0),
@@ -79,6 +82,8 @@ def main():
     parser.add_argument("--tiny", default=".cache/tiny-hybrid")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, short samples: check the script runs")
+    parser.add_argument("--fused", action="store_true",
+                        help="only packed batches: varlen GDN unfused, fused by torch.compile and by fla (issue 35)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None}
@@ -94,19 +99,26 @@ def main():
     lengths = [90, 70, 40, 17] if args.smoke else [900, 700, 512, 300, 130, 64, 40, 17]
     samples = samples_of(lengths, SMALL["vocab_size"])
     rows = []
-    varlen = [] if args.smoke else [("packed", False, "varlen")]
-    for attention, leak, gdn in [("padded", False, ""), ("packed", False, "per_sequence"), *varlen,
-                                 ("packed", True, "")]:
+    gdn = "per_sequence" if args.smoke else "varlen"
+    if args.fused:
+        layouts = [("packed", False, gdn, fuse) for fuse in ("off", "compile") + (() if args.smoke else ("fla",))]
+    else:
+        varlen = [] if args.smoke else [("packed", False, "varlen", "off")]
+        layouts = [("padded", False, "", "off"), ("packed", False, "per_sequence", "off"), *varlen,
+                   ("packed", True, "", "off")]
+    for attention, leak, gdn, fuse in layouts:
         rows.append({"model": "small qwen3_5 shape (8 layers, hidden 2048)",
-                     **measure(small, samples, [1, 3, 7], attention, leak, gdn)})
+                     **measure(small, samples, [1, 3, 7], attention, leak, gdn, fuse)})
         print(json.dumps(rows[-1]), flush=True)
     del small
     torch.cuda.empty_cache()
 
     tiny = load_model(args.tiny, dtype="bfloat16", device=device)
     tiny_samples = samples_of([300, 200, 120, 64, 33, 9], 3700, seed=1)
-    for attention, gdn in [("padded", ""), ("packed", "per_sequence"), *[v[::2] for v in varlen]]:
-        rows.append({"model": "tiny hybrid", **measure(tiny, tiny_samples, [0, 1, 2], attention, gdn=gdn)})
+    for attention, leak, gdn, fuse in layouts:
+        if leak:
+            continue
+        rows.append({"model": "tiny hybrid", **measure(tiny, tiny_samples, [0, 1, 2], attention, gdn=gdn, fuse=fuse)})
         print(json.dumps(rows[-1]), flush=True)
     ref = reference_features(tiny, tiny_samples, [0, 1, 2])
     del tiny

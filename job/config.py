@@ -241,6 +241,11 @@ class HiddenStatesConfig:
     flash-linear-attention's varlen kernels, or once per sequence without them, so their conv and recurrent state
     never cross a boundary) or 'auto' (packed on a CUDA GPU when every sequence mixer of the model can be kept
     exact that way, else padded). Both are exact; a model packing cannot keep exact is refused."""
+    fuse: str = "auto"
+    """The transformers backend's elementwise work on Qwen3.5/3.6 layers (norms, SwiGLU, gates, rotary) as fused
+    kernels (job/hidden_states/fusion.py): 'compile' (torch.compile), 'fla' (flash-linear-attention's fused norms),
+    'off' (transformers' eager code), or 'auto' (the faster of the two on a CUDA GPU, measured in docs/BENCHMARKS.md;
+    off elsewhere and for other models). The exactness self-check compares the result with transformers' own code."""
     check_samples: int = 4
     """Exactness self-check: before writing anything, each worker runs this many of the run's own samples through
     its batched path together and through a plain transformers forward one by one; beyond `check_tolerance` the
@@ -286,6 +291,8 @@ class HiddenStatesConfig:
                               f"max_length ({self.max_length}): one full-length sequence must fit in a batch")
         if self.attention not in ("auto", "packed", "padded"):
             raise ConfigError(f"config: hidden_states.attention must be auto, packed or padded, got {self.attention!r}")
+        if self.fuse not in ("auto", "off", "compile", "fla"):
+            raise ConfigError(f"config: hidden_states.fuse must be auto, off, compile or fla, got {self.fuse!r}")
         if self.min_rms >= self.max_rms:
             raise ConfigError(f"config: hidden_states.min_rms ({self.min_rms}) must be below max_rms ({self.max_rms})")
 

@@ -81,7 +81,7 @@ class HiddenStateExtractor:
             try:
                 self.extractor = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=hs.batch_tokens,
                                                        min_rms=hs.min_rms, max_rms=hs.max_rms,
-                                                       attention=hs.attention,
+                                                       attention=hs.attention, fuse=hs.fuse,
                                                        last_layer_before_norm=hs.last_layer_before_norm)
             except ValueError as e:  # attention: packed on a model packing cannot keep exact
                 raise ConfigError(f"config: {e}") from None

@@ -128,7 +128,7 @@ def varlen_gdn_problem(stack) -> str | None:
     return None
 
 
-def varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
+def varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu, kernels=None):
     """transformers' Qwen3_5GatedDeltaNet.forward (no cache) over a packed batch [1, tokens, hidden] in one pass:
     the causal conv1d and the chunked gated delta rule are flash-linear-attention's varlen kernels, given the
     sequence bounds, so each sequence's conv window and recurrent state start from zero at its first token, exactly
@@ -148,10 +148,18 @@ def varlen_gated_deltanet(mixer, hidden_states, cu_seqlens, cu_seqlens_cpu):
     query = query.reshape(1, tokens, -1, mixer.head_k_dim)
     key = key.reshape(1, tokens, -1, mixer.head_k_dim)
     value = value.reshape(1, tokens, -1, mixer.head_v_dim)
-    beta = mixer.in_proj_b(hidden_states).sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(hidden_states).float() + mixer.dt_bias)
+    if kernels is None:
+        beta = mixer.in_proj_b(hidden_states).sigmoid()
+        g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(hidden_states).float() + mixer.dt_bias)
+    else:
+        g, beta = kernels.gdn_gates(mixer.in_proj_a(hidden_states), mixer.in_proj_b(hidden_states), mixer.A_log,
+                                    mixer.dt_bias)
     out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, output_final_state=False,
                                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
-    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(1, tokens, -1)
+    if kernels is None:
+        z = mixer.in_proj_z(hidden_states).reshape(-1, mixer.head_v_dim)
+        out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z).reshape(1, tokens, -1)
+    else:  # [1, tokens, heads, head_v_dim]: the norm is over head_v_dim either way
+        z = mixer.in_proj_z(hidden_states).reshape(out.shape)
+        out = kernels.gated_rms_norm(out, z, mixer.norm.weight, mixer.norm.variance_epsilon).reshape(1, tokens, -1)
     return mixer.out_proj(out)

@@ -27,6 +27,7 @@ Throughput decisions (measured in bench/bench_hidden_states.py; figures in docs/
 
 from __future__ import annotations
 
+import importlib.util
 import time
 import warnings
 from collections import deque
@@ -38,6 +39,7 @@ from job import schema
 from job.config import resolve_layer_ids
 from job.hidden_states import fp8
 from job.hidden_states.checks import FeatureStats, check_features
+from job.hidden_states.fusion import FUSIONS, fused_attention_forward, fused_layer_forward, fusion_problem, kernels
 from job.hidden_states.packing import (
     PACKABLE_LAYERS,
     PACKED_ATTENTION,
@@ -55,6 +57,9 @@ from job.hidden_states.shards import torch_dtype, torch_dtypes
 # ---------------------------------------------------------------------------------------------------------------
 # The transformers backend
 # ---------------------------------------------------------------------------------------------------------------
+
+FUSE_AUTO = "compile"
+"""What `fuse: auto` picks on a CUDA GPU (docs/BENCHMARKS.md, issue 35: measured against 'fla' and unfused)."""
 
 
 def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None):
@@ -80,7 +85,7 @@ class TransformersExtractor:
 
     def __init__(self, model, *, layer_ids: list[int], batch_tokens: int = 16384, min_rms: float = 1e-5,
                  max_rms: float = 1e4, check: bool = True, attention: str = "auto", gdn: str = "auto",
-                 last_layer_before_norm: bool = False):
+                 last_layer_before_norm: bool = False, fuse: str = "auto"):
         """`attention`: 'padded' (transformers' SDPA over right-padded rows with a mask), 'packed' (rows
         concatenated with no padding: varlen flash attention, see _packed_attention; recurrent layers once per
         sequence, see PACKABLE_LAYERS) or 'auto' (packed where torch has varlen attention, a GPU, and every
@@ -88,7 +93,10 @@ class TransformersExtractor:
         packed batch: 'varlen' (one flash-linear-attention call per layer over the whole batch, told the sequence
         bounds: see varlen_gated_deltanet), 'per_sequence' (transformers' own layer once per sequence) or 'auto'
         (varlen on a GPU with flash-linear-attention). `last_layer_before_norm`: the last layer is the final
-        decoder layer's output before the final norm (vLLM's convention) instead of after it."""
+        decoder layer's output before the final norm (vLLM's convention) instead of after it. `fuse`: the
+        elementwise work of Qwen3.5/3.6 layers as fused kernels (job/hidden_states/fusion.py): 'compile', 'fla',
+        'reference' (the same rewrite, eager: for tests), 'off', or 'auto' (FUSE_AUTO on a CUDA GPU for a model
+        whose layers fusion.py writes out, else off)."""
         import torch  # heavy: imported on use
 
         self.torch = torch
@@ -123,6 +131,15 @@ class TransformersExtractor:
         elif gdn == "varlen" and self.packed and varlen_gdn_problem(self.stack):
             raise ValueError(f"gdn 'varlen' is not available: {varlen_gdn_problem(self.stack)}")
         self.gdn = gdn
+        if fuse not in FUSIONS:
+            raise ValueError(f"fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
+        problem = fusion_problem(self.stack)
+        if fuse == "auto":
+            fuse = FUSE_AUTO if self.cuda and problem is None and importlib.util.find_spec("fla") else "off"
+        elif fuse != "off" and problem:
+            raise ValueError(f"fuse {fuse!r} is not available for this model: {problem}")
+        self.fuse = fuse
+        self._kernels = None if fuse == "off" else kernels(fuse)
         self._wrapped = []
         if self.packed:
             register_packed_attention()
@@ -131,6 +148,16 @@ class TransformersExtractor:
                 if mixer is not None:
                     mixer.forward = self._per_sequence(mixer, mixer.forward)
                     self._wrapped.append(mixer)
+        if self._kernels is not None:  # after the mixers: a fused layer calls them as modules
+            def active() -> bool:  # only in this extractor's forwards: a reference forward runs transformers' code
+                return self._out is not None
+
+            for layer in self.stack.layers:
+                layer.forward = fused_layer_forward(layer, self._kernels, active)
+                self._wrapped.append(layer)
+                if getattr(layer, "self_attn", None) is not None:
+                    layer.self_attn.forward = fused_attention_forward(layer.self_attn, self._kernels, active)
+                    self._wrapped.append(layer.self_attn)
         self.value_width = len(self.layer_ids) * self.hidden_size * schema.ITEMSIZE[dtype]
         self.fp8_records = False
         """True: each token comes back as FP8 storage's record, [fp8 values (L x H) | float32 scales (L)], quantized
@@ -187,7 +214,7 @@ class TransformersExtractor:
             if self._segments is None:  # a forward this extractor did not start (e.g. a reference forward)
                 return forward(hidden_states, *args, **kwargs)
             if self.gdn == "varlen":
-                return varlen_gated_deltanet(mixer, hidden_states, *self._cu_seqlens)
+                return varlen_gated_deltanet(mixer, hidden_states, *self._cu_seqlens, kernels=self._kernels)
             return torch.cat([forward(hidden_states[:, a:b]) for a, b in self._segments], dim=1)
 
         return per_sequence
@@ -195,8 +222,8 @@ class TransformersExtractor:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
-        for mixer in self._wrapped:
-            del mixer.forward  # the class's forward again
+        for module in self._wrapped:
+            del module.forward  # the class's forward again
         self._wrapped = []
 
     # -- one batch ------------------------------------------------------------------------------------------------
