@@ -58,8 +58,10 @@ from job.hidden_states.shards import torch_dtype, torch_dtypes
 # The transformers backend
 # ---------------------------------------------------------------------------------------------------------------
 
-FUSE_AUTO = "compile"
-"""What `fuse: auto` picks on a CUDA GPU (docs/BENCHMARKS.md, issue 35: measured against 'fla' and unfused)."""
+FUSE_AUTO = "off"
+"""What `fuse: auto` picks on a CUDA GPU. 'off' until the fused kernels are measured on the GPU against unfused, for
+speed and against a plain forward (issue 35: bench/gpu_issue35.sh is ready, no GPU was lent to run it): a kernel is
+made the default by a measurement, not by a prediction."""
 
 
 def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None):
