@@ -133,16 +133,17 @@ def latest_checkpoint(storage_path: str, name: str) -> str | None:
     return complete[-1] if complete else None
 
 
-def _report(metrics: dict, step, rank: int, epoch: int, global_step: int, ids: list[str], epoch_done: bool):
+def _report(metrics: dict, step, rank: int, state: dict, ids: list[str]):
+    """Every rank calls it at the same step (Ray Train needs all ranks' reports); one checkpoint directory gets
+    rank 0's weights and state and every rank's ids."""
     import ray.train  # heavy: imported on use
 
     with tempfile.TemporaryDirectory() as d:
         if rank == 0:
             step.save(os.path.join(d, DRAFTER))
-            _write_json(os.path.join(d, STATE), {"epoch": epoch, "global_step": global_step,
-                                                 "epoch_done": epoch_done})
-        _write_json(os.path.join(d, CONSUMED.format(rank=rank)), {"epoch": epoch, "ids": ids})
-        ray.train.report({**metrics, "epoch": epoch, "global_step": global_step},
+            _write_json(os.path.join(d, STATE), state)
+        _write_json(os.path.join(d, CONSUMED.format(rank=rank)), {"epoch": state["epoch"], "ids": ids})
+        ray.train.report({**metrics, "epoch": state["epoch"], "global_step": state["global_step"]},
                          checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
@@ -164,36 +165,40 @@ def train_loop_per_worker(cfg: dict) -> None:
         torch.set_num_threads(1)  # Ray's CPU share; more threads fight the extractors for the same cores
     step = OnlineDraftStep(cfg["draft_config"], cfg["format"], cfg["model"], workdir_for(rank, cfg["workdir"]),
                            **cfg["overrides"])
-    epoch, global_step, inherited = 0, 0, set()
+    # `history`: the loss of every step the weights went through (steps rolled back by a restart are not in it).
+    state = {"epoch": 0, "global_step": 0, "epoch_done": False, "resumed_from_step": None, "history": []}
+    inherited = set()
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             previous = read_checkpoint(d)
             step.load(previous["drafter"])
-        epoch, global_step = previous["state"]["epoch"], previous["state"]["global_step"]
-        inherited = set() if previous["state"]["epoch_done"] else previous["consumed"]
-        epoch += previous["state"]["epoch_done"]
+        state.update(previous["state"], resumed_from_step=previous["state"]["global_step"])
+        inherited = set() if state["epoch_done"] else previous["consumed"]
+        state["epoch"] += state["epoch_done"]
     shard = ray.train.get_dataset_shard("train")
-    history = []
-    while epoch < cfg["epochs"]:
+    while state["epoch"] < cfg["epochs"]:
         skip = inherited
         mine = sorted(inherited) if rank == 0 else []  # rank 0 carries the checkpoint's ids forward
         rows = ((sid, step.sample(b["token_ids"][i], b["hidden_states"][i], b["loss_mask"][i]))
                 for batch in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1)
                 for b in [collate(batch)] for i, sid in enumerate(b["id"]) if sid not in skip)
         carry = []
+        state["epoch_done"] = False
         while True:
             pack = step.pack(rows, carry)
             metrics = step.step([s for _, s in pack])
             if metrics is None:
                 break
             mine += [sid for sid, _ in pack]
-            global_step += 1
-            history.append({"step": global_step, **metrics, "samples": len(pack)})
-            if global_step % cfg["checkpoint_every"] == 0:
-                _report({**metrics, "history": history}, step, rank, epoch, global_step, mine, epoch_done=False)
-        _report({"history": history}, step, rank, epoch, global_step, mine, epoch_done=True)
-        epoch, inherited = epoch + 1, set()
+            state["global_step"] += 1
+            state["history"].append({"step": state["global_step"], "loss": metrics["loss"],
+                                     "grad_norm": metrics["grad_norm"], "ranks_with_data": metrics["ranks_with_data"]})
+            if state["global_step"] % cfg["checkpoint_every"] == 0:
+                _report(metrics, step, rank, state, mine)
+        state["epoch_done"] = True
+        _report({}, step, rank, state, mine)
+        state["epoch"], inherited = state["epoch"] + 1, set()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,9 +260,8 @@ def summary(result) -> dict:
     if result.checkpoint:
         with result.checkpoint.as_directory() as d:
             done = read_checkpoint(d)
+        history = done["state"].pop("history", [])
         out.update(samples_trained=len(done["consumed"]), duplicates=len(done["duplicates"]), **done["state"])
-    history = (result.metrics or {}).get("history") or []
-    losses = [h["loss"] for h in history if h.get("loss") is not None]
-    if losses:
-        out.update(first_loss=losses[0], last_loss=losses[-1], steps_this_attempt=len(history))
+        if history:
+            out.update(first_loss=history[0]["loss"], last_loss=history[-1]["loss"])
     return out

@@ -87,7 +87,7 @@ class OnlineDraftStep:
     def step(self, samples: list[dict]) -> dict | None:
         """Forward, loss and backward on `samples` (may be empty on this rank), gradients averaged over the ranks
         that had samples, clipping at 1.0 and the optimizer step, as speculators' trainer does. None: no rank had a
-        sample (the epoch is over everywhere)."""
+        sample (the epoch is over everywhere). `loss`: the mean over the ranks that had a batch."""
         import torch  # heavy: imported on use
         import torch.distributed as dist  # heavy: imported on use
 
@@ -104,14 +104,16 @@ class OnlineDraftStep:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        with_data = torch.tensor([1.0 if samples else 0.0], device=self.device)
+        # [ranks with a batch, their summed loss]: one all_reduce tells every rank both.
+        with_data = torch.tensor([1.0 if samples else 0.0, float(loss.detach()) if samples else 0.0],
+                                 device=self.device, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(with_data)
-            if with_data.item() == 0:
+            if with_data[0].item() == 0:
                 return None
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat)
-            flat /= with_data.item()
+            flat /= with_data[0].item()
             offset = 0
             for p in params:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -121,8 +123,8 @@ class OnlineDraftStep:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
         for opt in self.optimizers:
             opt.step()
-        return {"loss": float(loss) if loss is not None else None, "grad_norm": grad_norm,
-                "ranks_with_data": int(with_data.item())}
+        ranks = int(with_data[0].item())
+        return {"loss": with_data[1].item() / ranks, "grad_norm": grad_norm, "ranks_with_data": ranks}
 
     # -- state ---------------------------------------------------------------------------------------------------
 
