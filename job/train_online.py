@@ -127,7 +127,11 @@ def read_checkpoint(path: str) -> dict:
 
 
 def latest_checkpoint(storage_path: str, name: str) -> str | None:
-    """The last checkpoint a previous driver run of `name` left (local storage_path only), else None."""
+    """The last checkpoint a previous driver run of `name` left, else None. A local (or shared-filesystem)
+    storage_path only: with s3:// the rerun extracts everything again and the workers skip what Ray Train's
+    restored checkpoint covers (not listed here yet)."""
+    if "://" in storage_path:
+        return None
     runs = sorted(glob.glob(os.path.join(storage_path, name, "checkpoint_*")), key=os.path.getmtime)
     complete = [r for r in runs if os.path.exists(os.path.join(r, STATE))]
     return complete[-1] if complete else None
@@ -219,6 +223,9 @@ def train_online(config: RunConfig, options: OnlineOptions):
     from job.trainers import speculators
 
     options.check()
+    if options.gpus_per_worker and not config.hidden_states.num_workers:
+        raise ConfigError("train-online: set hidden_states.num_workers to the GPUs that extract: by default stage 2 "
+                          "takes every GPU in the cluster and the training workers would wait for one forever")
     stage.ensure_ray(config)
     plan = trainer_plan(config, to=options.to, format=options.format, layers=options.layers)
     fields = manifest_fields(plan, config.hidden_states.compute_dtype)
