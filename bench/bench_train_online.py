@@ -91,7 +91,8 @@ def ray_data_peak_bytes(since: float) -> int | None:
     """Ray Data's own accounting: the largest sum over the stream's operators of their object-store use, from the
     executor's progress lines (every 5 s) in the ray-data logs of datasets that ran since `since` (epoch s)."""
     logs = glob.glob(os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "ray-data",
-                                  "ray-data-dataset_*.log"))
+                                  "ray-data-*_*.log"))  # ray-data-dataset_<id>, or ray-data-train_<id> when
+    # Ray Train's own DataConfig named the dataset
     peak = None
     for path in (p for p in logs if os.path.getmtime(p) >= since):
         tick = 0
