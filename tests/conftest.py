@@ -56,7 +56,7 @@ def pytest_configure(config):
 FILE_SECONDS = {"test_resume.py": 650, "test_cluster.py": 510, "test_hidden_states.py": 370, "test_inspect.py": 360,
                 "test_job_submit.py": 240, "test_export.py": 190, "test_generate.py": 150, "test_refusals.py": 130,
                 "test_inputs_formats.py": 160, "test_quality.py": 70, "test_exactly_once.py": 330,
-                "test_train_online.py": 185}  # measured alone, 2026-12-05: 161 s + 21 s (its shared run not counted)
+                "test_train_online.py": 165}  # measured alone, 2026-12-05: 150 s + 13 s (its shared run not counted)
 
 
 def pytest_collection_modifyitems(config, items):
