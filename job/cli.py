@@ -243,7 +243,16 @@ def _train_online(args) -> int:
         num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
         object_store_bytes=args.object_store_bytes or DEFAULT_OBJECT_STORE_BYTES,
         checkpoint_every=args.checkpoint_every, max_failures=args.max_failures, epochs=args.epochs, lr=args.lr)
-    result = summary(train_online(_config(args), options))
+    import ray.train  # per command: --help stays fast
+
+    try:
+        result = summary(train_online(_config(args), options))
+    except ray.train.TrainingFailedError as e:  # WorkerGroupError, ControllerError: out of --max-failures
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: train-online: training failed after {args.max_failures} restart(s): {first}\nRerun the same "
+              f"command (same --name and --storage-path) to resume from the last checkpoint.", file=sys.stderr,
+              flush=True)
+        return 1
     print("train-online: " + json.dumps(result, default=str), flush=True)
     return 0 if result["error"] is None else 1
 
