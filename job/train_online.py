@@ -226,7 +226,17 @@ def train_online(config: RunConfig, options: OnlineOptions):
     if options.gpus_per_worker and not config.hidden_states.num_workers:
         raise ConfigError("train-online: set hidden_states.num_workers to the GPUs that extract: by default stage 2 "
                           "takes every GPU in the cluster and the training workers would wait for one forever")
-    stage.ensure_ray(config)
+    if stage.ensure_ray(config):  # a local Ray of our own: its CPUs are all there will be
+        import ray  # heavy: imported on use
+
+        cpus = ray.cluster_resources().get("CPU", 0)
+        # Stage 2's extractor takes 1 CPU and the mapping 0.25 (job/export/stream.py); without them free, Ray Data
+        # never starts a task and the training workers wait forever, without an error.
+        if options.num_workers * options.cpus_per_worker + 1.25 > cpus:
+            raise ConfigError(
+                f"train-online: {options.num_workers} training workers × {options.cpus_per_worker} CPU leave stage 2 "
+                f"less than the 1.25 CPU it needs on this {cpus:g}-CPU Ray: lower --cpus-per-worker (e.g. "
+                f"{max(0.05, (cpus - 1.25) / options.num_workers):.2g}) or --num-workers")
     plan = trainer_plan(config, to=options.to, format=options.format, layers=options.layers)
     fields = manifest_fields(plan, config.hidden_states.compute_dtype)
     draft_config = speculators.draft_config({"to": options.to, "format": options.format, **fields})
