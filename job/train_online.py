@@ -16,6 +16,7 @@ first and leaves its ids out before extraction (job/hidden_states/actor.py `skip
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -223,6 +224,8 @@ def train_online(config: RunConfig, options: OnlineOptions):
     from job.trainers import speculators
 
     options.check()
+    if os.path.isdir(config.model):  # Ray Train runs its workers in a directory of its own: a relative path breaks
+        config = dataclasses.replace(config, model=os.path.abspath(config.model))
     if options.gpus_per_worker and not config.hidden_states.num_workers:
         raise ConfigError("train-online: set hidden_states.num_workers to the GPUs that extract: by default stage 2 "
                           "takes every GPU in the cluster and the training workers would wait for one forever")
