@@ -30,9 +30,10 @@ def _kept_ids(shared_run, tmp_path) -> set[str]:
     return {json.loads(line)["id"] for line in open(out / "samples.jsonl")}
 
 
-@pytest.mark.slow  # Ray Train's controller and 2 workers start twice (the kill restarts the group), and stage 2's
+# Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), and stage 2's actors
+# start twice with them (the restarted epoch runs the dataset again): ~150 s on 2 cores.
+@pytest.mark.slow
 def test_stage_2_trains_a_drafter_online_exactly_once_through_a_killed_worker(shared_run, tmp_path, local_ray):
-    # actors start twice with it (the restarted epoch runs the dataset again): ~2 min on 2 cores.
     run = str(shutil.copytree(shared_run.stage1, tmp_path / "run"))
     config = load_config(DEMO_CONFIG, model=shared_run.model, output=run,
                          **{"hidden_states.check_samples": 0})  # the self-check has tests of its own
