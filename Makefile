@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 	echo 'torch==2.13.0' > .venv/overrides.txt
 	.venv/bin/uv pip install --quiet --python $(PY) --override .venv/overrides.txt -e '.[cpu,dev]'
 	.venv/bin/uv pip uninstall --quiet --python $(PY) torchaudio torchcodec || true
+	# speculators' draft model and loss, for `python -m job train-online` (Ray Train workers run .venv's interpreter).
+	# --no-deps: its own requirements would downgrade fsspec (2026.9.0 → 2026.7.0, datasets' pin) and add a
+	# torchaudio built against torch 2.11, which breaks `import transformers`; torch and transformers already fit.
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
+		xxhash multiprocess dill
 	$(PY) -c "import torchvision.ops, transformers, vllm.model_executor.models.qwen3_5"  # the imports vLLM's Qwen3.5 needs
+	$(PY) -c "import speculators.train.trainer"
 	touch $(STAMP)
 
 demo: install

@@ -6,6 +6,7 @@ line, exit 2.
     python -m job report RUN
     python -m job export RUN --to {specforge,speculators} --format {dflash,eagle3,conversations} --output DIR
     python -m job train-check EXPORT_DIR... [--steps 5]      # needs `make trainers`
+    python -m job train-online --config C.yaml --output RUN --to speculators --format eagle3 --storage-path DIR
     python -m job status RUN
     python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
@@ -117,6 +118,34 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--python", default=str(TRAINERS_PYTHON),
                    help="the trainers' Python (default: .venv-trainers/bin/python of this checkout)")
 
+    o = sub.add_parser("train-online", help="train a drafter while stage 2 runs: its stream into Ray Train "
+                                             "workers, never stored (job/train_online.py)", parents=run_dir)
+    o.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
+    o.add_argument("--output", help="the run directory whose completions stage 2 reads (overrides the config)")
+    o.add_argument("--model", help="model directory or name (overrides the config)")
+    o.add_argument("--limit", type=int, help="train on the first N completion rows only")
+    o.add_argument("--to", default="speculators", choices=("speculators",), help="the trainer (default %(default)s)")
+    o.add_argument("--format", default="eagle3", choices=("eagle3", "dflash"), help="default %(default)s")
+    o.add_argument("--layers", type=int, nargs="+", help="aux layers in our ids (default: the trainer's own)")
+    o.add_argument("--storage-path", required=True,
+                   help="where Ray Train keeps checkpoints (shared path or s3:// on a cluster)")
+    o.add_argument("--name", default="train-online",
+                   help="the training run's name: rerun with the same name and --storage-path to resume")
+    o.add_argument("--num-workers", type=int, default=2, help="training workers (default %(default)s)")
+    o.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="CPUs each training worker holds (default %(default)s); leave some to stage 2's actors")
+    o.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPUs each training worker holds (default %(default)s: CPU training)")
+    o.add_argument("--object-store-bytes", type=int, default=None,
+                   help="Ray Data's object store limit for the stream: past it stage 2 is held back "
+                        "(default 2 GiB)")
+    o.add_argument("--checkpoint-every", type=int, default=10,
+                   help="optimizer steps between checkpoints (default %(default)s)")
+    o.add_argument("--max-failures", type=int, default=1,
+                   help="worker-group restarts from the last checkpoint (default %(default)s; -1: forever)")
+    o.add_argument("--epochs", type=int, default=1, help="default %(default)s")
+    o.add_argument("--lr", type=float, help="learning rate (default: speculators')")
+
     s = sub.add_parser("status", help="progress of a run from its run directory alone (job/runview/status.py)",
                        parents=run_dir, description=status.__doc__.split("\n\n")[0])
     s.add_argument("run", help="run directory (local path or s3:// URI)")
@@ -206,6 +235,28 @@ def _train_check(args) -> int:
                            *(["--json"] if args.json else [])], env=env).returncode
 
 
+def _train_online(args) -> int:
+    from job.train_online import DEFAULT_OBJECT_STORE_BYTES, OnlineOptions, summary, train_online  # per command
+
+    options = OnlineOptions(
+        storage_path=args.storage_path, name=args.name, to=args.to, format=args.format, layers=args.layers,
+        num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
+        object_store_bytes=args.object_store_bytes or DEFAULT_OBJECT_STORE_BYTES,
+        checkpoint_every=args.checkpoint_every, max_failures=args.max_failures, epochs=args.epochs, lr=args.lr)
+    import ray.train  # per command: --help stays fast
+
+    try:
+        result = summary(train_online(_config(args), options))
+    except ray.train.TrainingFailedError as e:  # WorkerGroupError, ControllerError: out of --max-failures
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: train-online: training failed after {args.max_failures} restart(s): {first}\nRerun the same "
+              f"command (same --name and --storage-path) to resume from the last checkpoint.", file=sys.stderr,
+              flush=True)
+        return 1
+    print("train-online: " + json.dumps(result, default=str), flush=True)
+    return 0 if result["error"] is None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from job import redaction  # per command: --help stays fast
 
@@ -275,6 +326,8 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "train-check":
         return _train_check(args)
+    if args.command == "train-online":
+        return _train_online(args)
     if args.command == "report":
         from job.generate.report import build_report, format_report  # per command: --help stays fast
 

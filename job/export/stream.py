@@ -52,14 +52,25 @@ class TrainerLayout:
         return {k: np.array(v, dtype=object) if k == schema.ID else ragged(v) for k, v in out.items()}
 
 
-def stream(config, *, to: str, format: str, layers: list[int] | None = None, loss_turns: str | None = None):
-    """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
-    online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`)."""
-
+def trainer_plan(config, *, to: str, format: str, layers: list[int] | None = None,
+                 loss_turns: str | None = None) -> Plan:
+    """The mapping of this run's features to a trainer's layout (the export's), final norm loaded where needed."""
     num_layers = target.shape(config.model).num_layers
     hs = config.hidden_states
-    plan = with_final_norm(make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers,
+    return with_final_norm(make_plan(to, format, resolve_layer_ids(hs.layer_ids, num_layers), num_layers,
                                      hs.last_layer_before_norm, layers, model=config.model, dtype=hs.compute_dtype,
                                      loss_turns=loss_turns))
-    return dataset(config).map_batches(TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": hs.compute_dtype},
-                                       batch_size=None, concurrency=1)
+
+
+def stream(config, *, to: str, format: str, layers: list[int] | None = None, loss_turns: str | None = None,
+           skip_ids: frozenset[str] = frozenset()):
+    """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
+    online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`). `skip_ids`: samples left out before
+    extraction (job/train_online.py: what a resumed training's checkpoint covers)."""
+
+    plan = trainer_plan(config, to=to, format=format, layers=layers, loss_turns=loss_turns)
+    return dataset(config, skip_ids).map_batches(
+        TrainerLayout, fn_constructor_kwargs={"plan": plan, "dtype": config.hidden_states.compute_dtype},
+        # A light map (slices and copies per sample; the final norm when a trainer asks for it): a quarter CPU, so
+        # that on a small Ray (the tests' 2 CPUs) the extractor and the training workers still fit beside it.
+        batch_size=None, concurrency=1, num_cpus=0.25)

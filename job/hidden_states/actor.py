@@ -43,10 +43,14 @@ class HiddenStateExtractor:
     row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
 
     def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None,
-                 fence=None):
+                 fence=None, skip_ids: frozenset[str] = frozenset()):
         """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
         None skips the check. `fence`: the driver's writer lock (job/lock.py); every part and marker is committed
-        only while the driver holds it."""
+        only while the driver holds it. `skip_ids` (stream mode): samples left out before extraction (those an
+        online trainer's checkpoint already covers: job/train_online.py)."""
+        if skip_ids and mode != "stream":
+            raise ValueError("skip_ids: stream mode only (written parts must hold every kept row)")
+        self.skip_ids = frozenset(skip_ids)
         # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
         redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
         import torch  # heavy: imported on use
@@ -142,6 +146,8 @@ class HiddenStateExtractor:
                   "shard_id": meta[schema.META_SHARD_ID].decode() if schema.META_SHARD_ID in meta else None}
         samples, skipped = samples_from_completions(table, max_length=hs.max_length, keep_flagged=hs.keep_flagged,
                                                     row_limit=unit.row_limit)
+        if self.skip_ids:
+            samples = [s for s in samples if s.id not in self.skip_ids]
         return plan_parts(samples, hs.rows_per_shard), skipped, source
 
     def _made_from(self, uri: str) -> str | None:

@@ -199,7 +199,8 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 """Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
 
-def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None):
+def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None,
+              skip_ids: frozenset[str] = frozenset()):
     import ray  # heavy: imported on use
 
     stage.ensure_ray(config)
@@ -212,7 +213,7 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
     return stage.map_units(units, stage.ActorStage(
         HiddenStateExtractor,
         {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source,
-         "fence": fence},
+         "fence": fence, "skip_ids": skip_ids},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
         runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]}))  # secrets: at construction (actor.py)
@@ -360,14 +361,16 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
     return summary
 
 
-def dataset(config: RunConfig):
+def dataset(config: RunConfig, skip_ids: frozenset[str] = frozenset()):
     """A `ray.data.Dataset` of the hidden-state records, computed on the fly and never written, for a trainer:
     `ds.iter_torch_batches(batch_size=N, collate_fn=collate)`. Columns as in the shards; `hidden_states` is a
     [num_tokens, num_layers, hidden] array per sample (bfloat16 travels as its uint16 bits; `collate` views
-    them as torch.bfloat16 again)."""
+    them as torch.bfloat16 again). `skip_ids`: samples left out before their extraction (a resumed online
+    training's checkpoint covers them); the others are batched without them, so their features may differ from a
+    full run's within the backend's batching tolerance."""
     num_layers = target.shape(config.model).num_layers
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
-    return _pipeline(config, plan_units(config), layer_ids, "stream")
+    return _pipeline(config, plan_units(config), layer_ids, "stream", skip_ids=frozenset(skip_ids))
 
 
 def check_run(config: RunConfig, num_samples: int = 8) -> dict:

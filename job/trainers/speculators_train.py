@@ -53,11 +53,13 @@ def _linked_data_dir(export_dir: str, data_dir: str) -> str:
     return data_dir
 
 
-def resolve_args(export_dir: str, manifest: dict, config: dict, workdir: str, **overrides) -> argparse.Namespace:
+def resolve_args(export_dir: str | None, manifest: dict, config: dict, workdir: str, cpu: bool = True,
+                 **overrides) -> argparse.Namespace:
     """speculators' resolved training arguments for this export: the draft config, then `overrides` (TrainConfig
-    field names: lr, epochs, ttt_steps, seed, ...), then the CPU settings, through the trainer's own
+    field names: lr, epochs, ttt_steps, seed, ...), then the CPU settings (`cpu`), through the trainer's own
     TrainConfig.from_sources (flag > default, backend defaults backfilled, validation), as `speculators train`
-    resolves its flags."""
+    resolves its flags. `export_dir` None (training online, job/train_online.py): an empty data directory, so the
+    draft vocabulary is the target's whole one unless `overrides` name a token_freq_path."""
     _import_speculators()
     from speculators.train.config import TrainConfig  # the trainers' environment only
     from speculators.train.config.resolution import _BACKEND_DESTS  # the trainers' environment only
@@ -71,28 +73,34 @@ def resolve_args(export_dir: str, manifest: dict, config: dict, workdir: str, **
     work = os.path.abspath(os.path.join(workdir, f"speculators-{fmt}"))
     shutil.rmtree(work, ignore_errors=True)
     flat.update(overrides)
+    data_dir = os.path.join(work, "data")
+    if export_dir is None:
+        os.makedirs(data_dir)
     flat.update(
-        data_path=_linked_data_dir(export_dir, os.path.join(work, "data")),
+        data_path=_linked_data_dir(export_dir, data_dir) if export_dir is not None else data_dir,
         save_path=os.path.join(work, "checkpoints"),
         log_dir=os.path.join(work, "logs"),
         logger="",
         no_resume_from_checkpoint=True,
-        # CPU: "FlexAttention does not support backward on CPU" with the default
-        # 'simple_flex_attention'.
-        draft_attn_impl="sdpa",
-        # CPU: the default 'fused' loss is a Triton GPU kernel; on CPU Triton fails with
-        # "0 active drivers ([]). There should only be one."
-        loss_implementation="eager",
-        # CPU: the trainer's autocast is hard-wired to CUDA (device_type falls back to "cuda" when
-        # there is no accelerator) and is disabled on CPU, so bf16 hidden states meet the fp32
-        # master weights: DFlash's fc fails with "expected m1 and m2 to have the same dtype, but
-        # got: c10::BFloat16 != float" (EAGLE-3 survives only because its input_norm upcasts).
-        hidden_states_dtype="float32",
         # A missing sample must fail, not be generated through a vLLM server.
         on_missing="raise",
         # One process: no spawned DataLoader workers.
         num_workers=0,
     )
+    if cpu:
+        flat.update(
+            # CPU: "FlexAttention does not support backward on CPU" with the default
+            # 'simple_flex_attention'.
+            draft_attn_impl="sdpa",
+            # CPU: the default 'fused' loss is a Triton GPU kernel; on CPU Triton fails with
+            # "0 active drivers ([]). There should only be one."
+            loss_implementation="eager",
+            # CPU: the trainer's autocast is hard-wired to CUDA (device_type falls back to "cuda" when
+            # there is no accelerator) and is disabled on CPU, so bf16 hidden states meet the fp32
+            # master weights: DFlash's fc fails with "expected m1 and m2 to have the same dtype, but
+            # got: c10::BFloat16 != float" (EAGLE-3 survives only because its input_norm upcasts).
+            hidden_states_dtype="float32",
+        )
     unknown = sorted(set(flat) - CONFIG_DESTS - _BACKEND_DESTS)
     if unknown:
         raise ValueError(f"not speculators TrainConfig fields: {unknown}")

@@ -17,3 +17,30 @@ if _DELAY_S:
         return _replace(src, dst, *args, **kwargs)
 
     os.replace = _slow_replace
+
+# DATAGEN_TEST_KILL_TRAIN_RANK="<rank>:<marker path>" (tests/test_train_online.py, set for the Ray Train workers only
+# through their runtime_env): the training worker of that rank SIGKILLs itself right after its first
+# `ray.train.report` with a checkpoint, once (the marker file says it happened), as a crashed node's would die. It
+# waits 5 s first: Ray Train's controller collects reports when it polls the workers (every 2 s,
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a checkpoint not yet collected when its worker dies is lost (the restart
+# then starts from the one before: as correct, but no resume to test).
+_KILL = os.environ.get("DATAGEN_TEST_KILL_TRAIN_RANK")
+
+if _KILL:
+    import signal
+
+    import ray.train
+
+    _rank, _marker = _KILL.split(":", 1)
+    _report = ray.train.report
+
+    def _report_then_die(*args, **kwargs):
+        result = _report(*args, **kwargs)
+        if (kwargs.get("checkpoint") is not None and ray.train.get_context().get_world_rank() == int(_rank)
+                and not os.path.exists(_marker)):
+            open(_marker, "w").close()
+            time.sleep(5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    ray.train.report = _report_then_die
