@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# --no-deps: its own requirements would downgrade fsspec (2026.9.0 → 2026.7.0, datasets' pin) and add a
 	# torchaudio built against torch 2.11, which breaks `import transformers`; torch and transformers already fit.
 	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
-		xxhash multiprocess dill
+		xxhash==4.1.0 multiprocess==0.70.19 dill==0.4.1
 	$(PY) -c "import torchvision.ops, transformers, vllm.model_executor.models.qwen3_5"  # the imports vLLM's Qwen3.5 needs
 	$(PY) -c "import speculators.train.trainer"
 	touch $(STAMP)
