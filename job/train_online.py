@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from job.config import ConfigError, RunConfig
 
-# Ray Data's object store budget for the stream when the user names none: 2 GiB holds ~1,000 samples of the 27B
-# target's 4 layers × 5120 × bf16 at 1,000 tokens (40 KB a token): enough to keep the trainers fed, small
-# beside a GPU node's object store (30 % of its RAM by default).
+# Ray Data's object store budget for the stream when the user names none: 2 GiB holds ~50 samples of the 27B
+# target's 4 layers × 5120 × bf16 at 1,000 tokens (40 KB a token, 41 MB a sample), ~16 of Ray Data's 128 MiB
+# blocks: enough to keep the trainers fed, small beside a GPU node's object store (30 % of its RAM by default).
 DEFAULT_OBJECT_STORE_BYTES = 2 * 1024**3
 CONSUMED = "consumed-rank{rank}.json"
 DRAFTER = "drafter.pt"
@@ -127,15 +127,25 @@ def read_checkpoint(path: str) -> dict:
             "drafter": drafter if os.path.exists(drafter) else None}
 
 
+# Ray Train v2's record of the checkpoints its controller accepted (every rank reported), in the run's folder
+# (ray/train/v2/_internal/constants.py CHECKPOINT_MANAGER_SNAPSHOT_FILENAME).
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
 def latest_checkpoint(storage_path: str, name: str) -> str | None:
-    """The last checkpoint a previous driver run of `name` left, else None. A local (or shared-filesystem)
-    storage_path only: with s3:// the rerun extracts everything again and the workers skip what Ray Train's
-    restored checkpoint covers (not listed here yet)."""
+    """The checkpoint a rerun of `name` resumes from: the one Ray Train's snapshot names as the latest, which is the
+    one it hands the workers (`ray.train.get_checkpoint`), else None. Not the newest `checkpoint_*` folder: the ranks
+    copy their files into it one by one, and the controller accepts it only once every rank has reported (it polls
+    every 2 s), so a folder can exist, even with rank 0's state in it, that Ray will not restore; leaving its ids out
+    of the stream would leave samples untrained. A local (or shared-filesystem) storage_path only: with s3:// the
+    rerun extracts everything again and the workers skip what the restored checkpoint covers."""
     if "://" in storage_path:
         return None
-    runs = sorted(glob.glob(os.path.join(storage_path, name, "checkpoint_*")), key=os.path.getmtime)
-    complete = [r for r in runs if os.path.exists(os.path.join(r, STATE))]
-    return complete[-1] if complete else None
+    snapshot = os.path.join(storage_path, name, RAY_TRAIN_SNAPSHOT)
+    if not os.path.exists(snapshot):
+        return None
+    latest = (_read_json(snapshot).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    return os.path.join(storage_path, name, latest) if latest else None
 
 
 def _report(metrics: dict, step, rank: int, state: dict, ids: list[str]):

@@ -80,3 +80,29 @@ def test_streamed_features_equal_the_stored_ones_bit_for_bit(shared_run, tmp_pat
     for sid, features in streamed.items():
         assert features.dtype == stored[sid].dtype == torch.bfloat16
         assert torch.equal(features.view(torch.int16), stored[sid].view(torch.int16)), sid  # bits, NaNs included
+
+
+def test_a_rerun_resumes_from_the_checkpoint_ray_train_accepted_not_the_newest_folder(tmp_path):
+    """A checkpoint folder the ranks were still copying into, or that Ray Train's controller never accepted (not every
+    rank had reported, or it died before its next poll), is on disk with rank 0's state in it; Ray restores the one
+    its snapshot names. The driver must leave out of the stream only what that one covers, or the samples between
+    the two are never trained."""
+    from job.train_online import RAY_TRAIN_SNAPSHOT, latest_checkpoint
+
+    run = tmp_path / "killed"
+    assert latest_checkpoint(str(tmp_path), "killed") is None  # nothing yet
+    for name, ids in [("checkpoint_2026-12-05_07-25-40.221000", ["a", "b"]),
+                      ("checkpoint_2026-12-05_07-26-45.267000", ["a", "b", "c", "d"])]:
+        (run / name).mkdir(parents=True)
+        (run / name / "state.json").write_text(json.dumps({"epoch": 0, "global_step": len(ids), "epoch_done": False}))
+        (run / name / "consumed-rank0.json").write_text(json.dumps({"epoch": 0, "ids": ids}))
+    assert latest_checkpoint(str(tmp_path), "killed") is None  # folders without Ray's snapshot: none accepted
+    # Ray Train 2.60's snapshot (the fields it reads back: checkpoint_manager.py _load_state), naming the older one.
+    (run / RAY_TRAIN_SNAPSHOT).write_text(json.dumps({
+        "ray_version": "2.60.0", "checkpoint_results": [], "checkpoint_report_indices": [],
+        "latest_checkpoint_result": {"version": 0, "checkpoint_dir_name": "checkpoint_2026-12-05_07-25-40.221000",
+                                     "metrics": {"epoch": 0, "global_step": 2}}}))
+    chosen = latest_checkpoint(str(tmp_path), "killed")
+    assert chosen == str(run / "checkpoint_2026-12-05_07-25-40.221000")
+    assert read_checkpoint(chosen)["consumed"] == {"a", "b"}
+    assert latest_checkpoint("s3://bucket/train", "killed") is None  # s3: the workers skip, not the driver

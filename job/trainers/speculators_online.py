@@ -69,18 +69,35 @@ class OnlineDraftStep:
 
     def pack(self, rows, carry: list) -> list:
         """The next pack from the iterator `rows` of (id, sample): samples in arrival order while their tokens fit
-        `total_seq_len` (at least one). `carry` holds the row that did not fit, for the next pack."""
+        `total_seq_len` (at least one), then cut to as many rows as the smallest pack of the ranks that have one.
+        `carry` (a stack) holds the rows left for the next pack.
+
+        Why every rank takes the same number of rows: the stream's split hands each new block to the rank that has
+        been handed the fewest rows, into that rank's own queue. A rank that ate rows faster (shorter samples) would
+        get no new block until the other caught up, while the other waits for it in the step's all_reduce and its
+        unread blocks fill the object-store bound: nothing moves until the collective times out."""
+        import torch  # heavy: imported on use
+        import torch.distributed as dist  # heavy: imported on use
+
         pack, tokens = [], 0
         while True:
             row = carry.pop() if carry else next(rows, None)
             if row is None:
-                return pack
+                break
             n = int(row[1]["input_ids"].shape[0])
             if pack and tokens + n > self.max_tokens:
                 carry.append(row)
-                return pack
+                break
             pack.append(row)
             tokens += n
+        if dist.is_available() and dist.is_initialized():
+            fewest = torch.tensor([len(pack) or 2**62], dtype=torch.int64, device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            keep = int(fewest.item())
+            if len(pack) > keep:
+                carry.extend(reversed(pack[keep:]))  # popped first, in arrival order, before the row that did not fit
+                pack = pack[:keep]
+        return pack
 
     # -- the step ------------------------------------------------------------------------------------------------
 
