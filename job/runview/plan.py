@@ -66,9 +66,10 @@ DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
 PROMPT_ID_BYTES = 4  # prompt_token_ids: int32 per prompt token
 # S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
 DEFAULT_USD_PER_GB_MONTH = 0.023
-# Stage 2 on one H200, Qwen3.6-27B hybrid shape, transformers backend with varlen GDN kernels (docs/BENCHMARKS.md,
-# "The target's architecture ... on one H200"): prompt + completion tokens per second per GPU.
-DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 10_136
+# Stage 2 on one H200, Qwen3.6-27B hybrid shape, transformers backend with varlen GDN kernels and the fused
+# elementwise kernels (`fuse: auto` = compile; docs/BENCHMARKS.md, issue 35): prompt + completion tokens per second
+# per GPU. 10,136 before the fusion.
+DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 12_318
 
 
 class PlanError(ValueError):
