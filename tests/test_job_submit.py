@@ -6,13 +6,15 @@ The head is started with `--block` in its own session and stopped by signalling 
 handler stops every process it started, and the test then kills whatever is left of that session's process
 group). `ray stop` is not used: it stops every Ray on the machine, other users' and other tests' too.
 
-Every port is a free one and --temp-dir is a fresh short folder, so this head never collides with another
-local Ray. Real Ray, real vLLM (CPU build), the project's tiny model; ~1-2 minutes on 2 cores.
+Every port is a free one (outside the kernel's ephemeral range: HEAD_PORTS) and --temp-dir is a fresh short
+folder, so this head never collides with another local Ray. Real Ray, real vLLM (CPU build), the project's tiny
+model; ~1-2 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
@@ -24,7 +26,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -34,19 +35,37 @@ RAY = str(Path(sys.executable).parent / "ray")
 NUM_ROWS = 16
 
 
+# The kernel hands ports 32768-60999 (ip_local_port_range) to every outgoing connection, and Ray's workers listen on
+# 10002-19999 (its default worker port range). A port picked in the ephemeral range and let go again can be taken by
+# an outgoing connection (of the other pytest worker's Ray, say) before this head binds it; so the head's ports come
+# from between the two ranges, where nothing on this machine picks ports by itself.
+HEAD_PORTS = range(20000, 32000)
+
+
 def free_ports(n: int) -> list[int]:
-    with ExitStack() as stack:  # hold them all open at once, so the n ports differ
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """n distinct ports of HEAD_PORTS that nothing listens on now."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.choice(HEAD_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class HeadDidNotStart(RuntimeError):
+    pass
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"`ray start` exited with {proc.returncode}")
+            raise HeadDidNotStart(f"`ray start` exited with {proc.returncode}")
         try:
             urllib.request.urlopen(url, timeout=2).read()
             return
@@ -59,7 +78,47 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 @pytest.fixture
 def ray_head():
-    """A local head with the dashboard/job API; yields (dashboard address, metrics URL, env for the CLI, temp dir)."""
+    """A local head with the dashboard/job API; yields (dashboard address, metrics URL, env for the CLI, temp dir).
+    A head whose `ray start` exits before it answers is started once more on new ports, its log's tail printed: it
+    is the machine's (a port, a timeout under load), not the job's under test; a second failure fails the test with
+    both logs' tails."""
+    failures = []
+    for _ in range(2):
+        head = _start_head()
+        try:
+            wait_http(f"{head.address}/api/version", 120, head.proc)
+        except HeadDidNotStart as e:
+            failures.append(f"{e}; the end of its log:\n{head.log_tail()}")
+            print(failures[-1])
+            head.stop()
+            continue
+        except BaseException:  # it did not answer in time, or the test was interrupted: no head is left running
+            head.stop()
+            raise
+        try:
+            yield head.address, f"http://127.0.0.1:{head.metrics}/metrics", head.env, head.temp_dir
+        finally:
+            head.stop()
+        return
+    raise HeadDidNotStart("\n\n".join(failures))
+
+
+class _Head:
+    def __init__(self, proc, log, tmp, env, address, metrics):
+        self.proc, self.log, self.tmp, self.env, self.address, self.metrics = proc, log, tmp, env, address, metrics
+        self.temp_dir = os.path.join(tmp, "ray")
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        return "\n".join(open(self.log.name, errors="replace").read().splitlines()[-40:])
+
+    def stop(self) -> None:
+        _stop_head(self.proc)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _start_head() -> _Head:
     gcs, dash, agent_http, agent_grpc, env_agent, client, metrics = free_ports(7)
     tmp = tempfile.mkdtemp(prefix="rjs-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     temp_dir = os.path.join(tmp, "ray")
@@ -86,14 +145,7 @@ def ray_head():
          "--metrics-export-port", str(metrics), "--object-store-memory", str(300 * 1024 * 1024),
          "--temp-dir", temp_dir, "--disable-usage-stats"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        wait_http(f"{address}/api/version", 120, proc)
-        yield address, f"http://127.0.0.1:{metrics}/metrics", env, temp_dir
-    finally:
-        _stop_head(proc)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    return _Head(proc, log, tmp, env, f"http://127.0.0.1:{dash}", metrics)
 
 
 def _stop_head(proc: subprocess.Popen) -> None:
