@@ -239,20 +239,30 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     assert {"ray_datagen_rows_total", "ray_datagen_progress_fraction", "ray_datagen_engines_alive"} <= metrics_seen
 
 
+# Ray's answer while the head node's agent (which runs jobs) has not yet registered with the dashboard: nothing was
+# submitted. Seen under load ~30 s after the dashboard answered; Ray's advice is to try again later, as a user would.
+NO_AGENT_YET = "No available agent to submit job"
+
+
 def _submit(address: str, env: dict, entrypoint: list[str], metrics_url: str,
             metrics_seen: set[str]) -> tuple[str, str]:
     """`ray job submit --working-dir . -- ENTRYPOINT`, as a user runs it; returns (`ray job status`, logs)."""
-    submission_id = f"datagen-test-{os.getpid()}-{time.time_ns()}"
-    cmd = [RAY, "job", "submit", "--address", address, "--submission-id", submission_id, "--working-dir", ".",
-           "--", *entrypoint]
-    submit = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 420
-    while submit.poll() is None and time.monotonic() < deadline:
-        metrics_seen |= _datagen_metrics(metrics_url)
-        time.sleep(2)
-    if submit.poll() is None:
-        submit.kill()
-    logs = submit.communicate()[0]
+    for attempt in range(6):
+        submission_id = f"datagen-test-{os.getpid()}-{time.time_ns()}"
+        cmd = [RAY, "job", "submit", "--address", address, "--submission-id", submission_id, "--working-dir", ".",
+               "--", *entrypoint]
+        submit = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 420
+        while submit.poll() is None and time.monotonic() < deadline:
+            metrics_seen |= _datagen_metrics(metrics_url)
+            time.sleep(2)
+        if submit.poll() is None:
+            submit.kill()
+        logs = submit.communicate()[0]
+        if NO_AGENT_YET not in logs:
+            break
+        print(f"note: {NO_AGENT_YET} (attempt {attempt + 1}): the head's agent is not up yet; submitting again in 10 s")
+        time.sleep(10)
     # The job's final state, asked the way a user would (the CLI reads the token from the environment).
     job_status = subprocess.run([RAY, "job", "status", "--address", address, submission_id], env=env,
                                 capture_output=True, text=True, timeout=60).stdout
