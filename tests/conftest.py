@@ -95,77 +95,8 @@ def pytest_terminal_summary(terminalreporter):
             + f"; wall time of this session {(time.monotonic() - _SESSION_STARTED) / 60:.1f} min")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# What was running when a worker died or the session ran long
-# ---------------------------------------------------------------------------------------------------------------
-
-# CI keeps the tail of the log and stops the session at 90 min. pytest-xdist names a crashed worker's test only in
-# the final summary, which a session stopped by CI never prints: seen 2026-12-05, "[gw0] node down: Not properly
-# terminated" at 53 %, then SIGTERM at 90 min and no name. So the controller (the process that prints) keeps the
-# tests in flight, and prints them with the machine's memory and largest processes when a worker goes down, and once
-# if the session passes REPORT_AFTER_S.
-REPORT_AFTER_S = float(os.environ.get("DATAGEN_SUITE_REPORT_AFTER_S", 75 * 60))
-_IN_FLIGHT: dict[str, float] = {}
-_FINISHED: list[tuple[float, str]] = []
-
-
-def pytest_runtest_logstart(nodeid, location):
-    _IN_FLIGHT[nodeid] = time.monotonic()
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    started = _IN_FLIGHT.pop(nodeid, None)
-    if started is not None:
-        _FINISHED.append((time.monotonic() - started, nodeid))
-
-
-def state_of_the_session(why: str) -> list[str]:
-    """The tests in flight, the longest finished ones, memory and the largest processes (their titles name the test a
-    pytest-xdist worker runs), and the kernel's OOM-killer lines where it lets us read them."""
-    import psutil
-
-    now = time.monotonic()
-    lines = [f"--- {why}, {(now - _SESSION_STARTED) / 60:.1f} min into the session ---"]
-    lines += [f"in flight {(now - t) / 60:5.1f} min  {nodeid}" for nodeid, t in list(_IN_FLIGHT.items())]
-    lines += [f"finished  {d / 60:5.1f} min  {nodeid}" for d, nodeid in sorted(_FINISHED, reverse=True)[:10]]
-    vm = psutil.virtual_memory()
-    lines.append(f"memory available {vm.available / 2**30:.1f} of {vm.total / 2**30:.1f} GiB; "
-                 f"load average {os.getloadavg()[0]:.1f}")
-    procs = []
-    for p in psutil.process_iter(["pid", "memory_info", "cmdline"]):
-        if p.info["memory_info"] is not None:
-            procs.append((p.info["memory_info"].rss, p.info["pid"], " ".join(p.info["cmdline"] or []).strip()[:120]))
-    lines += [f"{rss / 2**20:7.0f} MiB  pid {pid}  {cmd}" for rss, pid, cmd in sorted(procs, reverse=True)[:8]]
-    try:
-        kernel = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout.splitlines()
-        lines += [line for line in kernel if "Out of memory" in line or "Killed process" in line][-5:]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return lines
-
-
-def _report(config, why: str) -> None:
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in state_of_the_session(why):
-            reporter.write_line(line)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    if error:
-        _report(node.config, f"worker {node.gateway.id} went down ({error})")
-
-
-def pytest_sessionstart(session):
-    if hasattr(session.config, "workerinput"):
-        return  # a pytest-xdist worker: the controller reports
-    import threading
-
-    timer = threading.Timer(REPORT_AFTER_S, _report, (session.config, "the session is running long"))
-    timer.daemon = True
-    timer.start()
+# What ends the session early (a dead worker, the deadline) and what it prints; the `alone` lock: tests/suite_guard.py.
+pytest_plugins = ["suite_guard"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

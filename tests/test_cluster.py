@@ -110,6 +110,7 @@ def _actors(class_part: str) -> dict[str, tuple[str, str]]:
 
 @pytest.mark.slow  # several nodes: four Ray nodes and five engine starts on 2 cores (~4-5 min)
 @pytest.mark.own_ray
+@pytest.mark.alone  # four Ray nodes of its own (tests/suite_guard.py)
 def test_cluster_node_lost_and_nodes_joining(cluster, tiny_model_dir, s3_server, s3_bucket, tmp_path, capsys):
     c, (node_a, node_b) = cluster
     rows = simple_prompts(NUM_ROWS)

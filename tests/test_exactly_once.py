@@ -50,6 +50,7 @@ def completion_ids(run: Path) -> Counter:
 
 
 @pytest.mark.slow  # two drivers, each with its own local Ray and engine, one taking over from the other (~2 min)
+@pytest.mark.alone  # two drivers, each with a local Ray of its own (tests/suite_guard.py)
 def test_a_live_job_taken_over_commits_nothing_more_and_every_id_is_written_once(tmp_path, tiny_model_dir):
     """Driver A runs in the background with SIGINT ignored (as under `&`, nohup or a scheduler) and commits its
     shards one small unit at a time; driver B takes its lock over with --take-lock and cuts the rest into other,

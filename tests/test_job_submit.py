@@ -190,6 +190,7 @@ def _stop_head(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow  # `ray job submit`: a head of its own, the job's runtime env, an engine start (~2 min)
 @pytest.mark.own_ray
+@pytest.mark.alone  # a Ray head of its own (tests/suite_guard.py)
 def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     from job.builtin.demo import write_demo_prompts
 

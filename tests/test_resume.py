@@ -108,6 +108,7 @@ def _kill_job(proc: subprocess.Popen) -> None:
     time.sleep(1)
 
 
+@pytest.mark.alone  # a driver with a local Ray of its own, killed twice (tests/suite_guard.py)
 def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactly_once(tmp_path, capfd,
                                                                                         tiny_model_dir, local_ray):
     """The same command killed twice, as an operator's job dies: while its engine starts, then (run again) inside a

@@ -1,0 +1,83 @@
+"""The suite's own guard (tests/suite_guard.py), run on a throwaway test session with two pytest-xdist workers, as the
+Makefile runs the suite: a test that kills its worker ends the whole session within a minute, named, with the tail of
+its output and the machine's memory; `alone` tests never overlap; the deadline stops a hung session, naming it.
+A few seconds each: the sessions import nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_session(tmp_path: Path, files: dict[str, str], *args: str, env: dict | None = None,
+                timeout_s: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    for name, body in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(body))
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["suite_guard"]\n')
+    full_env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
+    full_env.pop("DATAGEN_SUITE_STATE", None)  # the throwaway session makes its own
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                           "--dist", "loadfile", "--max-worker-restart=0", *args, str(tmp_path)],
+                          cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    return proc, time.monotonic() - started
+
+
+def test_a_test_that_kills_its_worker_ends_the_session_within_a_minute_named(tmp_path):
+    proc, took_s = run_session(tmp_path, {
+        "test_a_dies.py": """
+            import os, signal, time
+            def test_killer():
+                print("the last words of the dying test")
+                time.sleep(2.5)  # the worker mirrors its test's output every second
+                os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        "test_b_long.py": """
+            import time
+            def test_sleeper():
+                time.sleep(300)
+        """})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took_s < 60, f"the session went on for {took_s:.0f} s after its worker died:\n{out}"
+    assert "died" in out and "while running test_a_dies.py::test_killer" in out, out
+    assert "the last words of the dying test" in out, out
+    assert "memory available" in out, out
+
+
+def test_alone_tests_never_overlap(tmp_path):
+    body = """
+        import os, time, pytest
+        @pytest.mark.alone
+        def test_{name}():
+            start = time.time()
+            time.sleep(2)
+            with open(os.path.join(os.environ["SPANS"], "{name}"), "w") as f:
+                f.write(f"{{start}} {{time.time()}}")
+    """
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    proc, _ = run_session(tmp_path, {"test_one.py": body.format(name="one"), "test_two.py": body.format(name="two")},
+                          env={"SPANS": str(spans)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (a0, a1), (b0, b1) = (map(float, (spans / n).read_text().split()) for n in ("one", "two"))
+    assert a1 <= b0 or b1 <= a0, f"the two `alone` tests overlapped: {a0}-{a1} and {b0}-{b1}"
+
+
+def test_the_deadline_stops_a_hung_session_and_names_the_test(tmp_path):
+    proc, took_s = run_session(tmp_path, {
+        "test_hangs.py": """
+            import time
+            def test_hung():
+                time.sleep(300)
+        """}, env={"DATAGEN_SUITE_DEADLINE_S": "5", "DATAGEN_SUITE_REPORT_AFTER_S": "3"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took_s < 60, out
+    assert "passed its deadline" in out and "test_hangs.py::test_hung" in out, out
