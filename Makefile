@@ -38,10 +38,12 @@ demo: install
 # --no-loadscope-reorder). Much of a test is one process waiting for another (an engine starting, Ray, S3), so two
 # workers on 2 cores finish in less time than one. TEST_WORKERS=0: one process. The tiny model is built first, once,
 # by this process (the workers would wait on its lock).
+# A worker that dies ends the session at once, named (--max-worker-restart=0 with tests/suite_guard.py; otherwise
+# a replacement worker picks up the next file and the other worker runs on to CI's limit).
 TEST_WORKERS ?= 2
 # Defined before the rules that name it: make expands a rule's prerequisites as it reads the rule.
 TRAINERS_STAMP := .venv-trainers/.installed
-PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0)
 TINY_MODEL := .cache/tiny-model/build_info.json
 TINY_MODEL_RECIPE := $(addprefix job/builtin/,tiny_model.py corpus.py tokenizer.py architectures.py training.py \
                        data/corpus.txt data/chat_template.jinja)
