@@ -222,6 +222,22 @@ def pytest_testnodedown(node, error):
     _kill_workers(except_worker=worker)
 
 
+def pytest_runtest_logreport(report):
+    """`-x` with workers: pytest-xdist stops only after each worker has run every test of the file it holds (with
+    `--dist loadfile` a worker holds a whole file: seen 2026-12-06, a failure 2 min into the session and the session
+    still running 10 min later). The controller ends it at the first failure, as `-x` does in one process."""
+    config = _CONTROLLER_CONFIG[0] if _CONTROLLER_CONFIG else None
+    if config is None or not report.failed or _STOPPING or config.option.maxfail != 1:
+        return
+    _STOPPING.append("first failure")
+    _write(config, [f"=== {report.nodeid} failed ({report.when}): stopping the session (-x); the other workers' "
+                    f"tests are killed and reported as crashed ==="])
+    _kill_workers()
+
+
+_CONTROLLER_CONFIG: list = []
+
+
 def _deadline(config) -> None:
     _STOPPING.append("deadline")
     _write(config, state_of_the_session(f"the session passed its deadline ({DEADLINE_S / 60:.0f} min): stopping it"))
@@ -237,6 +253,8 @@ def pytest_sessionstart(session):
     config = session.config
     if _worker_id(config) is not None:
         return  # the controller watches the time
+    if config.pluginmanager.get_plugin("dsession") is not None:
+        _CONTROLLER_CONFIG.append(config)  # workers to stop at the first failure under -x
     for delay, action in ((REPORT_AFTER_S, lambda: _write(config, state_of_the_session("the session is running long"))),
                           (DEADLINE_S, lambda: _deadline(config))):
         timer = threading.Timer(delay, action)

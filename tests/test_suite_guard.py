@@ -81,3 +81,23 @@ def test_the_deadline_stops_a_hung_session_and_names_the_test(tmp_path):
     assert proc.returncode != 0
     assert took_s < 60, out
     assert "passed its deadline" in out and "test_hangs.py::test_hung" in out, out
+
+
+def test_x_stops_the_session_at_the_first_failure_not_after_each_workers_file(tmp_path):
+    proc, took_s = run_session(tmp_path, {
+        "test_fails.py": """
+            def test_wrong():
+                assert 1 == 2
+            def test_after_it_in_the_same_file():
+                import time
+                time.sleep(300)
+        """,
+        "test_long.py": """
+            import time
+            def test_sleeper():
+                time.sleep(300)
+        """}, "-x")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took_s < 60, f"the session went on for {took_s:.0f} s after the first failure:\n{out}"
+    assert "test_fails.py::test_wrong failed" in out and "assert 1 == 2" in out, out
