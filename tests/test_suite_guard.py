@@ -101,3 +101,18 @@ def test_x_stops_the_session_at_the_first_failure_not_after_each_workers_file(tm
     assert proc.returncode != 0
     assert took_s < 60, f"the session went on for {took_s:.0f} s after the first failure:\n{out}"
     assert "test_fails.py::test_wrong failed" in out and "assert 1 == 2" in out, out
+
+
+def test_files_with_alone_tests_are_never_neighbours_where_it_can_be_helped():
+    from conftest import FILE_SECONDS, RUN_LAST, file_order
+
+    files = [*FILE_SECONDS, "test_new_a.py", "test_new_b.py"]
+    alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train_online.py", *RUN_LAST}
+    order = file_order(files, alone)
+    assert sorted(order) == sorted(files)
+    assert order[-len(RUN_LAST):] == list(RUN_LAST)
+    body = order[:-len(RUN_LAST)]
+    assert not [pair for pair in zip(body, body[1:]) if set(pair) <= alone], body
+    assert body[0] == max(FILE_SECONDS, key=FILE_SECONDS.get), "the longest file first"
+    # More `alone` files than others: they still all run, neighbours only where nothing else is left.
+    assert file_order(["a.py", "b.py", "c.py"], {"a.py", "b.py"}) == ["a.py", "c.py", "b.py"]

@@ -33,6 +33,7 @@ def _kept_ids(shared_run, tmp_path) -> set[str]:
 # Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), and stage 2's actors
 # start twice with them (the restarted epoch runs the dataset again): ~150 s on 2 cores.
 @pytest.mark.slow
+@pytest.mark.alone  # a Ray Train worker group beside stage 2's actors: the heaviest Ray work of the suite
 def test_stage_2_trains_a_drafter_online_exactly_once_through_a_killed_worker(shared_run, tmp_path, local_ray):
     run = str(shutil.copytree(shared_run.stage1, tmp_path / "run"))
     config = load_config(DEMO_CONFIG, model=shared_run.model, output=run,
