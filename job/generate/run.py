@@ -229,20 +229,20 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
 
 
 def _trusted_shards(config: RunConfig, fence) -> list[str]:
-    """Names of the completion shards that count as done: those that can be read whole. One that cannot (truncated,
-    zero bytes, not a completion shard) is moved aside to quarantine/ (never deleted) and its rows are generated
-    again; one line names them."""
-    shards = scan.list_completion_shards(config.output, config.storage)
-    problems = scan.unreadable(scan.check_completion_shards(shards, config.storage))
-    if problems:
-        aside = storage.join(config.output, layout.QUARANTINE_DIR, layout.COMPLETIONS_DIR)
-        print(scan.unreadable_line(problems, f"moved aside to {aside}/ and their rows generated again"), flush=True)
+    """Names of the completion shards that count as done: the trusted ones (scan.trusted_completion_shards). One
+    that cannot be trusted (truncated, zero bytes, not a completion shard) is moved aside to quarantine/ (never
+    deleted) and its rows are generated again; one line names them."""
+    found = scan.trusted_completion_shards(config.output, config.storage)
+    aside = storage.join(config.output, layout.QUARANTINE_DIR, layout.COMPLETIONS_DIR)
+    line = found.problem_line(f"moved aside to {aside}/ and their rows generated again")
+    if line:
+        print(line, flush=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-        for name in problems:
+        for name in found.problems:
             with fence.guard():
                 storage.move(storage.join(completions, name), storage.join(aside, f"{name}.{stamp}"), config.storage)
-    return [s.name for s in shards if s.name not in problems]
+    return [s.name for s in found.trusted]
 
 
 def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,

@@ -51,20 +51,19 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
     the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
     (the shard was regenerated since) are the unit's `stale` ones; shards that cannot be read whole are named in one
     line and left out. `orphans` receives the names of parts and markers whose completion shard no longer exists."""
-    shards = scan.list_completion_shards(config.output, config.storage)
+    found = scan.trusted_completion_shards(config.output, config.storage)
     completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-    if not shards:
+    if not found.listed:
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
-    checks = scan.check_completion_shards(shards, config.storage)
-    problems = scan.unreadable(checks)
-    if problems:
-        print(scan.unreadable_line(problems, "left out of stage 2. Run stage 1 again on this output: it moves them "
-                                             "aside and generates their rows again"), flush=True)
+    line = found.problem_line("left out of stage 2. Run stage 1 again on this output: it moves them aside and "
+                              "generates their rows again")
+    if line:
+        print(line, flush=True)
     # Judged against every listed shard: a damaged one's markers are stale (its rows will be generated again), not
     # orphans.
-    markers = scan.stage2_markers(config.output, shards, checks, config.storage)
-    shards = [s for s in shards if s.name not in problems]
+    markers = scan.stage2_markers(config.output, found.listed, found.checks, config.storage)
+    shards = found.trusted
     units, left = [], config.limit
     for shard in shards:
         n = shard.stop - shard.start
@@ -145,25 +144,30 @@ def _kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
     return scan.kept_tokens(t, hs.keep_flagged, hs.max_length)  # the one rule of which rows are kept
 
 
+def storage_layout(model: str, layer_ids_setting, dtype: str) -> dict:
+    """What one stored token costs for this model, layer setting and dtype: the layer ids, hidden size, bytes of
+    the features alone and of a whole token (features, FP8 scales, input id and loss mask: schema's rule). The one
+    computation `estimate_storage` and the notebook's projection (job/runview/hidden.py) share."""
+    shape = target.shape(model)
+    layer_ids = resolve_layer_ids(layer_ids_setting, shape.num_layers)
+    return {"layer_ids": layer_ids, "num_layers": len(layer_ids), "hidden_size": shape.hidden_size, "dtype": dtype,
+            "feature_bytes_per_token": len(layer_ids) * shape.hidden_size * schema.ITEMSIZE[dtype],
+            "bytes_per_token": schema.hidden_state_bytes_per_token(len(layer_ids), shape.hidden_size, dtype)}
+
+
 def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = None) -> dict:
     """What the run will store: bytes per token and the total for the input (clipping and skipped rows counted;
     reads only the length columns of the completion shards)."""
     hs = config.hidden_states
-    shape = target.shape(config.model)
-    num_layers, hidden = shape.num_layers, shape.hidden_size
-    layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+    sizing = storage_layout(config.model, hs.layer_ids, hs.dtype)
     units = units if units is not None else plan_units(config)
     with ThreadPoolExecutor(16) as pool:
         counts = list(pool.map(lambda u: _kept_tokens(u, config), units))
-    feature_bytes = len(layer_ids) * hidden * schema.ITEMSIZE[hs.dtype]
-    per_token = schema.hidden_state_bytes_per_token(len(layer_ids), hidden, hs.dtype)
+    per_token = sizing["bytes_per_token"]
     tokens = sum(t for _, t in counts)
     pending = sum(t for u, (_, t) in zip(units, counts) if not u.done)
-    return {"bytes_per_token": per_token, "feature_bytes_per_token": feature_bytes, "num_layers": len(layer_ids),
-            "layer_ids": layer_ids, "hidden_size": hidden, "dtype": hs.dtype,
-            "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
+    return {**sizing, "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
             "num_tokens_pending": pending, "pending_bytes": pending * per_token}
-
 
 
 @dataclass(kw_only=True)
@@ -343,8 +347,7 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
             layers[k] = {"rms": float(np.sqrt(sum(t * e["rms"] ** 2 for t, e in entries) / max(1, n))),
                          "min_sample_rms": min(e["min_sample_rms"] for _, e in entries),
                          "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
-    shards = {storage.join(out, name): size  # one listing: sizes come with it
-              for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
+    shards = dict(scan.done_hidden_state_parts(config.output, config.storage))  # the one rule of what counts
     tokens_now = this_run.get("num_tokens_extracted", 0)
     report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
     summary = HiddenStatesSummary(
@@ -408,9 +411,8 @@ def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     samples, stored, layer_ids, dtype, before_norm = [], [], None, None, False
     for uri in uris:
         table = storage.read_shard(uri, config.storage)
-        meta = table.schema.metadata
-        layer_ids, dtype = json.loads(meta[schema.META_LAYER_IDS]), meta[schema.META_DTYPE].decode()
-        before_norm = meta.get(schema.META_LAST_LAYER_NORM, b"").decode() == schema.LAST_BEFORE_NORM
+        meta = scan.hidden_state_meta(table.schema.metadata)
+        layer_ids, dtype, before_norm = meta.layer_ids, meta.dtype, meta.last_before_norm
         record = next(iter_records(table.slice(0, 1)))
         samples.append(Sample(id=record[schema.ID], input_ids=record[schema.INPUT_IDS].numpy(), num_prompt_tokens=0,
                               original_num_tokens=len(record[schema.INPUT_IDS]), row=len(samples)))
