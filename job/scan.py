@@ -353,7 +353,7 @@ def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None =
 
 @dataclass(frozen=True)
 class HiddenStateMeta:
-    """What a hidden-state part's schema metadata says (job/schema.py writes it: `hidden_state_schema`)."""
+    """What a hidden-state part's schema metadata says (job/schema.py writes it: `hidden_states_schema`)."""
     model: str
     layer_ids: list[int]
     dtype: str

@@ -45,6 +45,18 @@ class ShardStat:
     num_prompt_tokens: int = 0
     flags: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def name(self) -> str:
+        return self.shard.name
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    @property
+    def mtime(self) -> float:
+        return self.shard.mtime
+
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
                      num_threads: int = 32, found: scan.CompletionShards | None = None) -> list[ShardStat]:
@@ -66,7 +78,7 @@ def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, 
             for flag in schema.QUALITY_FLAGS:
                 if flag in t.column_names:
                     stat.flags[flag] = int(scan.bools(t, flag).sum())
-    return sorted(stats, key=lambda s: (s.shard.mtime, s.shard.name))
+    return sorted(stats, key=lambda s: (s.mtime, s.name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +90,7 @@ def active_segments(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> li
     """Split shards (sorted by mtime) where the run was not producing: a gap much longer than the usual one."""
     if not shards:
         return []
-    gaps = [b.shard.mtime - a.shard.mtime for a, b in zip(shards, shards[1:])]
+    gaps = [b.mtime - a.mtime for a, b in zip(shards, shards[1:])]
     max_gap = max(min_gap_s, 20 * statistics.median(gaps)) if gaps else min_gap_s
     segments, current = [], [shards[0]]
     for gap, shard in zip(gaps, shards[1:]):
@@ -105,7 +117,7 @@ def measure_rate(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> Rate 
     for seg in active_segments(shards, min_gap_s):
         if len(seg) < 2:
             continue
-        seconds += seg[-1].shard.mtime - seg[0].shard.mtime
+        seconds += seg[-1].mtime - seg[0].mtime
         rows += sum(s.shard.stop - s.shard.start for s in seg[1:])  # input rows (a conversation may give several outputs)
         tokens += sum(s.num_output_tokens for s in seg[1:])
     if seconds <= 0:
@@ -194,11 +206,11 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     remaining = max(0, total - done) if total is not None else None
 
     overall = measure_rate(shards)
-    recent_shards = [s for s in shards if s.shard.mtime >= now - window_s]
+    recent_shards = [s for s in shards if s.mtime >= now - window_s]
     # The recent rate needs a shard written just before the window, as the first timestamp.
-    before = [s for s in shards if s.shard.mtime < now - window_s]
+    before = [s for s in shards if s.mtime < now - window_s]
     recent = measure_rate(before[-1:] + recent_shards) if recent_shards else None
-    last_mtime = shards[-1].shard.mtime if shards else None
+    last_mtime = shards[-1].mtime if shards else None
     rate_for_eta = recent or overall
     eta_s = None
     if remaining == 0:
@@ -221,7 +233,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
         "rows_per_shard": rows_per_shard,
         "shards_remaining_approx": -(-remaining // rows_per_shard) if remaining and rows_per_shard else
         (0 if remaining == 0 else None),
-        "bytes_done": sum(s.shard.size for s in shards),
+        "bytes_done": sum(s.size for s in shards),
         "output_tokens": out_tokens,
         "prompt_tokens": prompt_tokens,
         "output_tokens_per_row": out_tokens / rows_read if rows_read and read_columns else None,
