@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from job import cluster, layout, progress, redaction, runs, scan, schema, stage, storage, target
+from job import cluster, layout, progress, runs, scan, schema, stage, storage, target
 from job.config import ConfigError, RunConfig, from_dict, resolve_layer_ids, to_dict
 from job.drafters import EVERY_TRAINER
 from job.drafters import describe as describe_layers
@@ -207,7 +207,6 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
               skip_ids: frozenset[str] = frozenset()):
     import ray  # heavy: imported on use
 
-    stage.ensure_ray(config)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if config.hidden_states.backend == "vllm" and not gpus:
         raise ConfigError(vllm_unavailable_reason() or "hidden_states.backend 'vllm' needs a GPU in the cluster")
@@ -220,7 +219,7 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
          "fence": fence, "skip_ids": skip_ids},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
-        runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]}))  # secrets: at construction (actor.py)
+        runtime_env=stage.runtime_env(config)))  # secrets: at construction (actor.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,68 +236,41 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
 
     started = time.monotonic()
     hs = config.hidden_states
-    if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
-        stage.ensure_ray(config)
-        cluster.check_paths_reach_workers(config, {"--output": config.output})
-    shape = target.shape(config.model)
-    num_layers, hidden = shape.num_layers, shape.hidden_size
-    try:
-        layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
-    except ValueError as e:
-        raise ConfigError(f"config: {e}") from None
-    # run.json before the listing: stage 1's status as it was when the completion shards were listed.
-    previous = runs.read_run_json(config.output, config.storage) or {}
-    orphans: list[str] = []
-    units = plan_units(config, orphans=orphans)
-    if previous.get("config", {}).get("model") not in (None, config.model):
-        print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
-              flush=True)
-    ident = _identity(config, layer_ids, num_layers)
-    changed = stage.check_identity(previous, STAGE, ident, allow_drift,
-                                   consequence="mix features made two ways in one output")
-
-    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
-        _forget_stale(config, units, orphans, held.fence)
-        if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
-            print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
-                  "shard's hidden states with the new settings", flush=True)
-            _remove_outputs(config, units)
-        pending = [u for u in units if not u.done]
-        estimate = estimate_storage(config, units)
-        print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
-              f"{format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
-              f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
-              f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
-        if hs.layer_ids == EVERY_TRAINER:
-            print(f"hidden states: every trainer's layers: {describe_layers(num_layers)}", flush=True)
-        runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
-                                            "status": "running" if pending else "complete"}, held.fence)
-        extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
-        if pending:
-            print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            with stage.failure_recorded(config, STAGE, held.fence):
-                started_ray = stage.ensure_ray(config)
-                try:
-                    summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
-                    total = sum(u.num_rows for u in units)
-                    tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
-                                                label="hidden-states", tokens_key="num_tokens_extracted")
-                    stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run),
-                                 USER_ERRORS)
-                finally:
-                    if started_ray:  # as stage 1: the Ray this stage started ends with it
-                        import ray  # heavy: imported on use
-
-                        ray.shutdown()
-        else:
-            print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
-        seconds = time.monotonic() - extract_started
-        summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started,
-                          held.fence)
-        # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
-        stage1 = previous.get("generate", {})
-        partial = "status" in stage1 and stage1["status"] != "complete"
-        runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"}, held.fence)
+    with stage.RaySession(config) as ray_session:
+        if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
+            ray_session.start()
+            cluster.check_paths_reach_workers(config, {"--output": config.output})
+        shape = target.shape(config.model)
+        num_layers, hidden = shape.num_layers, shape.hidden_size
+        try:
+            layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+        # run.json before the listing: stage 1's status as it was when the completion shards were listed.
+        previous = runs.read_run_json(config.output, config.storage) or {}
+        orphans: list[str] = []
+        units = plan_units(config, orphans=orphans)
+        if previous.get("config", {}).get("model") not in (None, config.model):
+            print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
+                  flush=True)
+        ident = _identity(config, layer_ids, num_layers)
+        changed = stage.check_identity(previous, STAGE, ident, allow_drift,
+                                       consequence="mix features made two ways in one output")
+        with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
+            _forget_stale(config, units, orphans, held.fence)
+            if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
+                print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every "
+                      "completion shard's hidden states with the new settings", flush=True)
+                _remove_outputs(config, units)
+            estimate = estimate_storage(config, units)
+            _print_estimate(config, estimate, num_layers)
+            this_run, seconds = _extract(config, units, layer_ids, ident, estimate, ray_session, held.fence)
+            summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds,
+                              time.monotonic() - started, held.fence)
+            # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
+            stage1 = previous.get("generate", {})
+            partial = "status" in stage1 and stage1["status"] != "complete"
+            runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"}, held.fence)
     if partial:
         written, total = sum(u.num_rows for u in units), stage1.get("input", {}).get("num_rows")
         print(f"note: stage 1 is not finished (status: {stage1['status']}; {written:,} of "
@@ -310,6 +282,37 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
           f"{summary.num_tokens_extracted:,} tokens at {summary.tokens_per_s:,.0f} tokens/s, padding "
           f"{summary.padding_waste:.1%} → {summary.report}", flush=True)
     return summary
+
+
+def _print_estimate(config: RunConfig, estimate: dict, num_layers: int) -> None:
+    hs = config.hidden_states
+    print(f"hidden states: {estimate['num_layers']} layers {estimate['layer_ids']} x hidden {estimate['hidden_size']} "
+          f"x {hs.dtype} = {format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
+          f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
+          f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
+    if hs.layer_ids == EVERY_TRAINER:
+        print(f"hidden states: every trainer's layers: {describe_layers(num_layers)}", flush=True)
+
+
+def _extract(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], ident: dict, estimate: dict,
+             ray_session: stage.RaySession, fence) -> tuple[dict, float]:
+    """The units not done yet, through the extractor actors; (this invocation's counts, its seconds)."""
+    pending = [u for u in units if not u.done]
+    runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
+                                        "status": "running" if pending else "complete"}, fence)
+    extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
+    if not pending:
+        print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
+        return this_run, time.monotonic() - extract_started
+    print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
+    with stage.failure_recorded(config, STAGE, fence):
+        ray_session.start()
+        summaries = _pipeline(config, pending, layer_ids, "write", fence)
+        total = sum(u.num_rows for u in units)
+        tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
+                                    label="hidden-states", tokens_key="num_tokens_extracted")
+        stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
+    return this_run, time.monotonic() - extract_started
 
 
 def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
@@ -373,6 +376,7 @@ def dataset(config: RunConfig, skip_ids: frozenset[str] = frozenset()):
     full run's within the backend's batching tolerance."""
     num_layers = target.shape(config.model).num_layers
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
+    stage.ensure_ray(config)  # the caller's Ray (a trainer's) lives on with its dataset: no session ends it here
     return _pipeline(config, plan_units(config), layer_ids, "stream", skip_ids=frozenset(skip_ids))
 
 
@@ -388,23 +392,19 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
     step = max(1, len(uris) // num_samples)
     chosen = uris[::step][:num_samples]
-    started_ray = stage.ensure_ray(config)
-    try:
+    with stage.RaySession(config).start():
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
-        task = task.options(runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})
+        task = task.options(runtime_env=stage.runtime_env(config))
         with stage.user_errors_surface(USER_ERRORS):
             return ray.get(task.remote(to_dict(config), chosen))
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     """The first sample of each shard in `uris`: stored features against a plain forward of the sample alone."""
     import torch  # heavy: imported on use
 
-    redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])  # as the actors do
+    stage.apply_secrets(config_dict)  # as the actors do
     config = from_dict(config_dict)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
