@@ -36,10 +36,10 @@ from typing import Iterator
 import numpy as np
 
 from job import schema
-from job.config import resolve_layer_ids
+from job.config import ATTENTION_MODES, FUSE_MODES, check_choice, resolve_layer_ids
 from job.hidden_states import fp8
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.fusion import FUSIONS, fused_attention_forward, fused_layer_forward, fusion_problem, kernels
+from job.hidden_states.fusion import fused_attention_forward, fused_layer_forward, fusion_problem, kernels
 from job.hidden_states.packing import (
     PACKABLE_LAYERS,
     PACKED_ATTENTION,
@@ -115,11 +115,11 @@ class TransformersExtractor:
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
         self.device = self.stack.embed_tokens.weight.device
         self.cuda = self.device.type == "cuda"
+        check_choice("hidden_states.attention", attention, ATTENTION_MODES)  # config.py's check, for direct callers
+        check_choice("hidden_states.fuse", fuse, (*FUSE_MODES, "reference"))
         problem = packing_problem(self.stack)
         if attention == "auto":  # packing saves padding and takes the varlen flash kernel; only where it is exact
             attention = "packed" if self.cuda and packed_attention_available() and problem is None else "padded"
-        if attention not in ("padded", "packed"):
-            raise ValueError(f"hidden_states.attention must be auto, packed or padded, got {attention!r}")
         if attention == "packed" and problem:
             raise ValueError(f"hidden_states.attention 'packed' is not exact for this model: {problem}. Use "
                              "'padded' (or 'auto', which packs only models it can keep exact).")
@@ -134,8 +134,6 @@ class TransformersExtractor:
         elif gdn == "varlen" and self.packed and varlen_gdn_problem(self.stack):
             raise ValueError(f"gdn 'varlen' is not available: {varlen_gdn_problem(self.stack)}")
         self.gdn = gdn
-        if fuse not in FUSIONS:
-            raise ValueError(f"fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
         problem = fusion_problem(self.stack)
         if fuse == "auto":
             fuse = FUSE_AUTO if self.cuda and problem is None and importlib.util.find_spec("fla") else "off"
