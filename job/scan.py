@@ -329,12 +329,15 @@ def done_parts(markers: Stage2Markers, shards: list[CompletionShard], run_uri: s
         _, limit, marker = markers.covered(shard.name, shard.stop - shard.start)
         if marker is None:
             continue
-        stem = layout.hidden_state_stem(shard.uri, completions_dir)
-        for j in range(int(marker.get("num_parts", 0))):
-            name = layout.hidden_state_part_name(stem, limit, j)
+        for name in marker_parts(layout.hidden_state_stem(shard.uri, completions_dir), limit, marker):
             if name in sizes:
                 out.append((storage.join(hidden_dir, name), sizes[name]))
     return sorted(out)
+
+
+def marker_parts(stem: str, limit: int | None, marker: dict) -> list[str]:
+    """Names (relative to hidden_states/) of the parts a done marker vouches for: the parts that count."""
+    return [layout.hidden_state_part_name(stem, limit, j) for j in range(int(marker.get("num_parts", 0)))]
 
 
 def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:

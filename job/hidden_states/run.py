@@ -350,7 +350,12 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
             layers[k] = {"rms": float(np.sqrt(sum(t * e["rms"] ** 2 for t, e in entries) / max(1, n))),
                          "min_sample_rms": min(e["min_sample_rms"] for _, e in entries),
                          "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
-    shards = dict(scan.done_hidden_state_parts(config.output, config.storage))  # the one rule of what counts
+    # The parts that count (scan's rule: those its marker vouches for), sizes from one listing. The units are the
+    # trusted shards, each with its covering marker (plan_units), so this is scan.done_hidden_state_parts without
+    # reading every completion shard's footer again.
+    sizes = {name: size for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
+    shards = {storage.join(out, name): sizes[name] for u, m in zip(units, markers)
+              for name in scan.marker_parts(u.stem, u.row_limit, m) if name in sizes}
     tokens_now = this_run.get("num_tokens_extracted", 0)
     report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
     summary = HiddenStatesSummary(
