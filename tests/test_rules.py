@@ -211,3 +211,42 @@ def test_a_path_without_run_json_is_refused_one_way(tmp_path):
     assert isinstance(e.value, RunError), "the command line prints every RunError in one line"
     storage.write_json(str(tmp_path / layout.RUN_JSON), {"created_at": "x"})
     assert scan.require_run(str(tmp_path)) == {"created_at": "x"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 2's plan over a run directory written here (no Ray, no model): which units are done, stale, widened
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _stage2_run(tmp_path, markers: dict[str, dict]) -> tuple[str, list[str]]:
+    """Two 8-row completion shards and the given stage-2 markers ({marker name: marker}); "$size0" in a marker's
+    source stands for the first shard's size."""
+    run = str(tmp_path)
+    names = [_name(0, 0, 8), _name(0, 8, 16)]
+    for name in names:
+        storage.write_shard(storage.join(run, layout.COMPLETIONS_DIR, name), _completion_table(8))
+    size0 = (tmp_path / layout.COMPLETIONS_DIR / names[0]).stat().st_size
+    for marker_name, marker in markers.items():
+        source = {k: size0 if v == "$size0" else v for k, v in marker.get("source", {}).items()}
+        storage.write_json(storage.join(run, layout.HIDDEN_STATES_DIR, marker_name), {**marker, "source": source})
+    return run, names
+
+
+def test_a_small_limit_rerun_of_a_done_shard_keeps_it_done_and_a_changed_shard_is_stale(tmp_path):
+    """The corner cases stage 2's plan decides from names and markers alone (test_hidden_states' end-to-end run
+    covers them with real extraction, ~60 s): a --limit smaller than what a full marker covers is that done unit (it
+    used to delete the committed parts as another limit's leftovers); a marker made from other content is stale."""
+    from job.config import RunConfig
+    from job.hidden_states.run import plan_units
+
+    stem0, stem1 = _name(0, 0, 8)[:-6], _name(0, 8, 16)[:-6]
+    run, _ = _stage2_run(tmp_path, {
+        layout.hidden_state_marker_name(stem0, None): {"num_parts": 1, "source": {"size": "$size0", "shard_id": None}},
+        layout.hidden_state_part_name(stem0, None, 0): {},
+        layout.hidden_state_marker_name(stem1, None): {"num_parts": 1, "source": {"size": 1, "shard_id": None}},
+    })
+    units = plan_units(RunConfig(model="m", output=run, limit=5))
+    assert len(units) == 1 and units[0].row_limit is None and units[0].num_rows == 8 and units[0].done
+    units = plan_units(RunConfig(model="m", output=run))
+    assert [u.done for u in units] == [True, False]
+    assert units[1].stale == [layout.hidden_state_marker_name(stem1, None)], "made from other content"
