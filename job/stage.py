@@ -1,8 +1,8 @@
 """The stage runner: what both stages do the same way, written once. docs/ARCHITECTURE.md explains the contract.
 
 A stage (job/generate/run.py, job/hidden_states/run.py) supplies only:
-- its work units and how it knows one is done (from one listing of its output directory, job/layout.py's names:
-  stage 1's shard, stage 2's marker; job/scan.py judges both);
+- its work units and its `UnitLedger`: whether a unit is done and how it is marked done (from one listing of its
+  output directory, job/layout.py's names: stage 1's shard, stage 2's marker; job/scan.py judges both);
 - its identity (the settings that shape its output) and what it records in run.json;
 - its actor class (a `map_batches` callable that takes one unit per call, writes the unit's files atomically, its
   done mark last, and yields one summary row) and how many actors it wants;
@@ -15,9 +15,9 @@ The runner owns the rest, in this order:
         with writing(config, stage, directory, take_lock) as held:   the writer lock; temp files of killed writers gone
             runs.write_run_json(... "running" ..., held.fence)      every commit is fenced (job/lock.py)
             session.start()
-            follow(map_units(units, ActorStage(..., runtime_env=runtime_env(config))), progress, on_summary, errors)
+            run_units(units, ledger, ActorStage(..., runtime_env=runtime_env(config)), progress, on_summary, errors)
             runs.write_run_json(... "complete" ...)
-`follow` always closes its progress line and, when the stage ends on an error or a verdict, stops it in the order
+`run_units` skips the units the ledger calls done and marks each unit done as its summary arrives. `follow` always closes its progress line and, when the stage ends on an error or a verdict, stops it in the order
 that lets the verdict be the last thing printed: the dataset's iterator closed (Ray Data's executor stops submitting
 work), then the stage's actors killed, then (leaving the session) Ray shut down. An error raised inside an actor
 (which Ray hands back as a wrapped traceback) comes out as the stage's own error with its own message.
@@ -30,7 +30,7 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from job import lock, progress, redaction, runs, storage
 from job.cluster import engine_census, kill_stage_actors
@@ -234,6 +234,31 @@ def map_units(units: list, stage: ActorStage):
         max_restarts=stage.max_retries,
         max_task_retries=stage.max_retries,
     )
+
+
+class UnitLedger(Protocol):
+    """A stage's two answers about its units, the only place each is written: `is_done(unit)` (the runner skips the
+    unit) and `mark_done(summary)` (called by the runner with each unit's summary row as it arrives, before the
+    stage's own `on_summary`: the commit that makes the unit done, if the actor has not made it already). The model
+    is datatrove's executor: skip-if-done and mark-done in one place."""
+
+    def is_done(self, unit) -> bool: ...
+
+    def mark_done(self, summary: dict) -> None: ...
+
+
+def run_units(units: list, ledger: UnitLedger, actors: ActorStage, tracker: progress.Progress,
+              on_summary: Callable[[dict], None], user_errors: tuple[type[BaseException], ...]) -> list:
+    """The units `ledger` does not call done, through `actors`, each summary marked done by the ledger and then
+    handed to `on_summary` (`follow`). Returns the units that ran. Call it inside a started RaySession."""
+    pending = [u for u in units if not ledger.is_done(u)]
+    if pending:
+        def take(summary: dict) -> None:
+            ledger.mark_done(summary)
+            on_summary(summary)
+
+        follow(map_units(pending, actors).iter_rows(), tracker, take, user_errors)
+    return pending
 
 
 def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Callable[[dict], None],

@@ -234,12 +234,11 @@ def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySes
     with stage.failure_recorded(config, "generate", fence):
         ray_session.start()
         engines = engine_pool(config)
-        summaries = stage.map_units(units, _engines(config, run_input.carried, run_input.chat_template, engines,
-                                                    fence))
         tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
                                     num_engines=engines[0], max_engines=engines[1])
         consume = _Consumer(config, summary, tracker, run_canary, fence)
-        stage.follow(summaries.iter_rows(), tracker, consume, _user_errors())
+        stage.run_units(units, _Shards(done), _engines(config, run_input.carried, run_input.chat_template, engines,
+                                                       fence), tracker, consume, _user_errors())
         summary.generation_seconds = consume.window()
     runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
                                              "max_num_seqs": summary.max_num_seqs,
@@ -252,6 +251,22 @@ def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySes
         log.warning("the run is complete but its report could not be written (%s); "
                     "`python -m job report %s` makes it later", e, config.output)
     return summary
+
+
+class _Shards:
+    """Stage 1's ledger (stage.UnitLedger). A unit is done when its shard is among the trusted ones (the units come
+    from `pending_units`, which cut only rows no trusted shard covers, so none is when it runs). It is marked done by
+    its engine's atomic commit of its shard, under the fence (engine.py): the shard is the mark, and nothing is left
+    for the runner to write."""
+
+    def __init__(self, done_shard_names: list[str]):
+        self.done = set(done_shard_names)
+
+    def is_done(self, unit) -> bool:
+        return unit.shard_name in self.done
+
+    def mark_done(self, summary: dict) -> None:
+        pass
 
 
 def _trusted_shards(config: RunConfig, fence) -> list[str]:

@@ -203,8 +203,9 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 """Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
 
-def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None,
-              skip_ids: frozenset[str] = frozenset()):
+def _extractors(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None,
+                skip_ids: frozenset[str] = frozenset()) -> stage.ActorStage:
+    """The extractor actors for `units` (one per GPU, or hidden_states.num_workers), in `mode` write or stream."""
     import ray  # heavy: imported on use
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -213,13 +214,13 @@ def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[i
     workers = config.hidden_states.num_workers or max(1, gpus)
     # The exactness self-check of every worker uses samples of the first unit: the run's own data.
     check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
-    return stage.map_units(units, stage.ActorStage(
+    return stage.ActorStage(
         HiddenStateExtractor,
         {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source,
          "fence": fence, "skip_ids": skip_ids},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
-        runtime_env=stage.runtime_env(config)))  # secrets: at construction (actor.py)
+        runtime_env=stage.runtime_env(config))  # secrets: at construction (actor.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,12 +308,28 @@ def _extract(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[in
     print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
     with stage.failure_recorded(config, STAGE, fence):
         ray_session.start()
-        summaries = _pipeline(config, pending, layer_ids, "write", fence)
         total = sum(u.num_rows for u in units)
         tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
                                     label="hidden-states", tokens_key="num_tokens_extracted")
-        stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
+        stage.run_units(units, _Markers(config, fence), _extractors(config, pending, layer_ids, "write", fence),
+                        tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
     return this_run, time.monotonic() - extract_started
+
+
+class _Markers:
+    """Stage 2's ledger (stage.UnitLedger): a unit is done when a marker made from its completion shard's current
+    content is listed (`unit.done`, judged by plan_units with scan.marker_matches); it is marked done by writing the
+    marker its extractor's summary carries, under the fence, once the extractor has committed every part."""
+
+    def __init__(self, config: RunConfig, fence):
+        self.config, self.fence = config, fence
+
+    def is_done(self, unit: HiddenStateUnit) -> bool:
+        return unit.done
+
+    def mark_done(self, summary: dict) -> None:
+        storage.write_json(storage.join(_out_dir(self.config), summary["marker_name"]), json.loads(summary["marker"]),
+                           self.config.storage, self.fence.guard)
 
 
 def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
@@ -382,7 +399,8 @@ def dataset(config: RunConfig, skip_ids: frozenset[str] = frozenset()):
     num_layers = target.shape(config.model).num_layers
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
     stage.ensure_ray(config)  # the caller's Ray (a trainer's) lives on with its dataset: no session ends it here
-    return _pipeline(config, plan_units(config), layer_ids, "stream", skip_ids=frozenset(skip_ids))
+    units = plan_units(config)
+    return stage.map_units(units, _extractors(config, units, layer_ids, "stream", skip_ids=frozenset(skip_ids)))
 
 
 def check_run(config: RunConfig, num_samples: int = 8) -> dict:
