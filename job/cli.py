@@ -28,8 +28,6 @@ from pathlib import Path
 
 from job.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
 
-# Read-side commands: a ValueError or OSError there is the user's input (a path, a flag), printed in one line.
-_READ_ONLY = ("status", "plan")
 
 
 def _storage_flags() -> argparse.ArgumentParser:
@@ -276,11 +274,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)
         return 3
     except (ConfigError, InputError, RunError, StorageError, EngineStartError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except (ValueError, OSError) as e:
-        if args.command not in _READ_ONLY:
-            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from job.drafters import EVERY_TRAINER, every_trainer_layers
+from job.schema import FP8
 from job.storage import StorageConfig
 
 
@@ -202,7 +203,17 @@ class GenerateConfig:
                               f"got {self.regenerate!r}")
 
 
-FP8_STORAGE = "float8_e4m3fn"  # hidden_states.dtype that stores FP8 and computes in bf16 (job/hidden_states/fp8.py)
+ATTENTION_MODES = ("auto", "packed", "padded")
+"""hidden_states.attention: checked here for a config and by the transformers backend for a direct caller."""
+FUSE_MODES = ("auto", "off", "compile", "fla")
+"""hidden_states.fuse. The backend also takes 'reference' (job/hidden_states/fusion.py: the fused rewrite run eager,
+for tests), which a config does not offer."""
+
+
+def check_choice(what: str, value, allowed: tuple) -> None:
+    """The one refusal of a setting outside its allowed values (config and backend alike)."""
+    if value not in allowed:
+        raise ConfigError(f"config: {what} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -269,7 +280,7 @@ class HiddenStatesConfig:
     @property
     def compute_dtype(self) -> str:
         """The dtype the model runs in and features are computed in: `dtype`, or bfloat16 for FP8 storage."""
-        return "bfloat16" if self.dtype == FP8_STORAGE else self.dtype
+        return "bfloat16" if self.dtype == FP8 else self.dtype
 
     def __post_init__(self):
         check_fields(self, "hidden_states")
@@ -281,19 +292,17 @@ class HiddenStatesConfig:
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"config: hidden_states.backend must be 'transformers' or 'vllm', "
                               f"got {self.backend!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32", FP8_STORAGE):
+        if self.dtype not in ("bfloat16", "float16", "float32", FP8):
             raise ConfigError(f"config: hidden_states.dtype must be bfloat16, float16, float32 or float8_e4m3fn, "
                               f"got {self.dtype!r}")
-        if self.dtype == FP8_STORAGE and self.backend != "transformers":
+        if self.dtype == FP8 and self.backend != "transformers":
             raise ConfigError("config: hidden_states.dtype float8_e4m3fn needs hidden_states.backend: transformers "
                               "(it quantizes on the device before the copy; the vllm backend stores bf16 only)")
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"config: hidden_states.batch_tokens ({self.batch_tokens}) must be at least "
                               f"max_length ({self.max_length}): one full-length sequence must fit in a batch")
-        if self.attention not in ("auto", "packed", "padded"):
-            raise ConfigError(f"config: hidden_states.attention must be auto, packed or padded, got {self.attention!r}")
-        if self.fuse not in ("auto", "off", "compile", "fla"):
-            raise ConfigError(f"config: hidden_states.fuse must be auto, off, compile or fla, got {self.fuse!r}")
+        check_choice("hidden_states.attention", self.attention, ATTENTION_MODES)
+        check_choice("hidden_states.fuse", self.fuse, FUSE_MODES)
         if self.min_rms >= self.max_rms:
             raise ConfigError(f"config: hidden_states.min_rms ({self.min_rms}) must be below max_rms ({self.max_rms})")
 

@@ -119,15 +119,14 @@ class HiddenStateUnit:
 
     @property
     def tag(self) -> str:
-        """The stem, plus `-n<limit>` when a --limit cut the shard: parts of different limits never share names."""
-        return self.stem if self.row_limit is None else f"{self.stem}-n{self.row_limit}"
+        return hidden_state_tag(self.stem, self.row_limit)
 
     def part_name(self, index: int) -> str:
-        return f"{self.tag}-p{index:04d}{SHARD_SUFFIX}"
+        return hidden_state_part_name(self.stem, self.row_limit, index)
 
     @property
     def marker_name(self) -> str:
-        return f"{DONE_DIR}/{self.tag}.json"
+        return hidden_state_marker_name(self.stem, self.row_limit)
 
     @property
     def done(self) -> bool:
@@ -135,8 +134,7 @@ class HiddenStateUnit:
 
     def owns(self, name: str) -> bool:
         """Whether `name` (relative to hidden_states/) is a part or marker of this shard, under any limit."""
-        base = name[len(DONE_DIR) + 1:] if name.startswith(DONE_DIR + "/") else name
-        return re.fullmatch(re.escape(self.stem) + r"(-n\d+)?(-p\d{4}\.arrow|\.json)", base) is not None
+        return hidden_state_file_stem(name) == self.stem
 
     def to_row(self) -> dict:
         return {"uri": self.uri, "stem": self.stem, "num_rows": self.num_rows,
@@ -153,19 +151,31 @@ def hidden_state_stem(completion_uri: str, completions_dir: str) -> str:
     return completion_uri[len(completions_dir) + 1:-len(SHARD_SUFFIX)].replace("/", "__")
 
 
-_PART = re.compile(r"(.+?)(?:-n\d+)?-p\d{4}" + re.escape(SHARD_SUFFIX))
+def hidden_state_tag(stem: str, row_limit: int | None) -> str:
+    """The stem, plus `-n<limit>` when a --limit cut the shard: parts of different limits never share names."""
+    return stem if row_limit is None else f"{stem}-n{row_limit}"
 
 
-def hidden_state_file_stem(name: str) -> str | None:
-    """The completion-shard stem of a stage-2 part or marker (name relative to hidden_states/), None for others."""
-    marker = parse_marker_name(name)
-    if marker:
-        return marker[0]
+def hidden_state_part_name(stem: str, row_limit: int | None, index: int) -> str:
+    """Part `index` of a completion shard's hidden states (relative to hidden_states/)."""
+    return f"{hidden_state_tag(stem, row_limit)}-p{index:04d}{SHARD_SUFFIX}"
+
+
+def hidden_state_marker_name(stem: str, row_limit: int | None) -> str:
+    """The done marker of a completion shard's hidden states (relative to hidden_states/), written after its last
+    part."""
+    return f"{DONE_DIR}/{hidden_state_tag(stem, row_limit)}.json"
+
+
+_PART = re.compile(r"([^/]+?)(?:-n(\d+))?-p(\d{4})" + re.escape(SHARD_SUFFIX))
+_MARKER = re.compile(re.escape(DONE_DIR) + r"/(.+?)(?:-n(\d+))?\.json")
+
+
+def parse_part_name(name: str) -> tuple[str, int | None, int] | None:
+    """(completion-shard stem, --limit or None, part index) of a stage-2 part's name (relative to hidden_states/;
+    parts live at its top level), or None for any other name."""
     m = _PART.fullmatch(name)
-    return m[1] if m else None
-
-
-_MARKER = re.compile(re.escape(DONE_DIR) + r"/(.+?)(?:-n(\d+))?\.json$")
+    return (m[1], int(m[2]) if m[2] else None, int(m[3])) if m else None
 
 
 def parse_marker_name(name: str) -> tuple[str, int | None] | None:
@@ -173,3 +183,9 @@ def parse_marker_name(name: str) -> tuple[str, int | None] | None:
     hidden_states/), or None for any other name."""
     m = _MARKER.fullmatch(name)
     return (m[1], int(m[2]) if m[2] else None) if m else None
+
+
+def hidden_state_file_stem(name: str) -> str | None:
+    """The completion-shard stem of a stage-2 part or marker (name relative to hidden_states/), None for others."""
+    parsed = parse_marker_name(name) or parse_part_name(name)
+    return parsed[0] if parsed else None

@@ -1,16 +1,24 @@
 """The small columns of a run's completion shards, read the one way every reader shares: `python -m job report`,
 `python -m job status` (and `plan --from` through it) and the notebook's helpers.
 
+- `require_run`: run.json, or the one refusal of a path that is not a run directory (`NotARunDirectory`).
 - `list_completion_shards`: one listing of `completions/`; names, sizes and modification times come with it. Only
   files named like a completion shard (job/layout.py) count: a file someone copied in is ignored.
+- `trusted_completion_shards`: THE rule of which completion shards can be trusted (their footers read whole, the
+  columns of a completion shard); every reader (both stages, `status`, `report`, the notebook) takes its shards
+  from it and names the others with `unreadable_line`.
 - `read_columns`: chosen small columns of those shards in a thread pool, as one table (plus the shard's URI per row
   when asked). The Arrow IPC footer locates each column's buffers, so only those are fetched (a few range GETs per
   shard on S3): token lists, texts and carried input columns stay where they are.
 - `ok_rows`, `kept_rows`, `kept_tokens`: which rows count, defined once (stage 2 skips the others).
+- `marker_matches`, `Stage2Markers.covered`, `done_hidden_state_parts`: when stage 2 is done with a completion
+  shard, and which hidden-state parts count (and so which bytes: `stored_hidden_state_bytes`).
+- `hidden_state_meta`: a hidden-state part's schema metadata, decoded once.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,12 +26,27 @@ import numpy as np
 import pyarrow as pa
 
 from job import layout, schema, storage
+from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
 SMALL_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
                  schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, schema.TURN, schema.ORIGINAL_TURN_TOKENS,
                  *schema.QUALITY_FLAGS, schema.ERROR]
 """Every per-row column of a completion shard that is a number, a flag or short text (no token lists)."""
+
+
+class NotARunDirectory(RunError):
+    """The path holds no run.json: the one refusal every reader of a run gives (`status`, `report`, `plan --from`,
+    the notebook). A RunError, so the command line prints it in one line like the job's other refusals."""
+
+
+def require_run(run_uri: str, storage_config: StorageConfig | None = None, *, hint: str = "") -> dict:
+    """The run's run.json; a path without one is refused with `NotARunDirectory` (`hint`: what to do instead)."""
+    run = read_run_json(run_uri, storage_config or StorageConfig())
+    if run is None:
+        raise NotARunDirectory(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: "
+                               f"`generate` writes it before the first shard){'. ' + hint if hint else ''}")
+    return run
 
 
 @dataclass(frozen=True)
@@ -54,8 +77,8 @@ def list_completion_shards(run_uri: str, storage_config: StorageConfig | None = 
 
 
 def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    """URIs of the completion shards of a run, sorted by name."""
-    return [s.uri for s in list_completion_shards(run_uri, storage_config)]
+    """URIs of the completion shards of a run that can be trusted (`trusted_completion_shards`), sorted by name."""
+    return [s.uri for s in trusted_completion_shards(run_uri, storage_config).trusted]
 
 
 def read_shard_tables(uris: list[str], columns: list[str], storage_config: StorageConfig | None = None,
@@ -73,11 +96,18 @@ def read_shard_tables(uris: list[str], columns: list[str], storage_config: Stora
 
 def read_columns(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None, *,
                  shard_column: str | None = None, shards: list[str] | None = None,
-                 num_threads: int = 16) -> pa.Table:
-    """`columns` (default SMALL_COLUMNS) of every completion shard of the run (or of `shards`: URIs) as one table,
-    in shard-name order; with `shard_column`, a column of that name holds each row's shard URI."""
+                 unreadable: dict[str, str] | None = None, num_threads: int = 16) -> pa.Table:
+    """`columns` (default SMALL_COLUMNS) of every trusted completion shard of the run (or of `shards`: URIs the
+    caller took from `trusted_completion_shards`) as one table, in shard-name order; with `shard_column`, a column
+    of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out."""
     columns = list(columns or SMALL_COLUMNS)
-    uris = completion_shards(run_uri, storage_config) if shards is None else shards
+    if shards is None:
+        found = trusted_completion_shards(run_uri, storage_config)
+        uris = [s.uri for s in found.trusted]
+        if unreadable is not None:
+            unreadable.update(found.problems)
+    else:
+        uris = shards
     tables = read_shard_tables(uris, columns, storage_config, num_threads)
     if shard_column:
         tables = [t.append_column(shard_column, pa.array([uri] * t.num_rows, pa.string()))
@@ -126,18 +156,6 @@ def kept_tokens(table: pa.Table, keep_flagged: bool = True, max_length: int | No
     if max_length is not None:
         tokens = np.minimum(tokens, max_length)
     return int(keep.sum()), int(tokens[keep].sum())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hidden-state parts (stage 2)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:
-    """(URI, size) of every hidden-state part of a run, sorted by name, from one listing."""
-    directory = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
-    return [(storage.join(directory, name), size)
-            for name, size, _ in storage.list_file_infos(directory, layout.SHARD_SUFFIX, storage_config)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,6 +210,40 @@ def unreadable_line(problems: dict[str, str], what_now: str) -> str:
     named = "; ".join(f"{name}: {why}" for name, why in list(problems.items())[:5])
     more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
     return f"{len(problems)} completion shard(s) cannot be read whole ({named}{more}): {what_now}"
+
+
+@dataclass
+class CompletionShards:
+    """A run's completion shards as `trusted_completion_shards` judged them."""
+    listed: list[CompletionShard]
+    """Every shard of the listing, trusted or not (stage 2 judges its markers against all of them)."""
+    checks: dict[str, ShardCheck]
+    """Shard name → what its footer said."""
+
+    @property
+    def problems(self) -> dict[str, str]:
+        """{shard name: why it cannot be trusted}, in name order."""
+        return unreadable(self.checks)
+
+    @property
+    def trusted(self) -> list[CompletionShard]:
+        """The shards every reader counts, sorted by name."""
+        return [s for s in self.listed if not self.checks[s.name].problem]
+
+    def problem_line(self, what_now: str) -> str | None:
+        """`unreadable_line` naming the untrusted shards, None when every shard can be trusted."""
+        return unreadable_line(self.problems, what_now) if self.problems else None
+
+
+def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None = None,
+                              num_threads: int = 16) -> CompletionShards:
+    """THE rule of which completion shards of a run can be trusted, for every reader (stage 1's resume, stage 2's
+    plan, `status`, `report`, `plan --from`, export, the notebook): one listing (`list_completion_shards`), then each
+    shard's footer read (`check_completion_shard`: zero bytes, no whole Arrow file, not a completion shard's
+    columns). What a reader does with the untrusted ones is its own: stage 1 moves them aside and generates their
+    rows again, the others leave them out and name them (`CompletionShards.problem_line`)."""
+    listed = list_completion_shards(run_uri, storage_config)
+    return CompletionShards(listed=listed, checks=check_completion_shards(listed, storage_config, num_threads))
 
 
 def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:
@@ -265,26 +317,76 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
     return out
 
 
-def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:
-    """(URI, size) of the hidden-state parts that count, sorted by name: those of each completion shard's marker
-    that matches the shard's current content (the rule above; a full marker before any `--limit` one). Parts of an
-    unfinished unit, or made from an earlier content of a regenerated shard, are left out. What export, `load` and
-    the notebook read."""
-    shards = list_completion_shards(run_uri, storage_config)
-    checks = check_completion_shards(shards, storage_config)
-    markers = stage2_markers(run_uri, shards, checks, storage_config)
+def done_parts(markers: Stage2Markers, shards: list[CompletionShard], run_uri: str) -> list[tuple[str, int]]:
+    """(URI, size) of the hidden-state parts that count, sorted by name: those of each shard's covering marker
+    (`Stage2Markers.covered`: a full marker before any `--limit` one), named by job/layout.py. Parts of an
+    unfinished unit, or made from an earlier content of a regenerated shard, are left out."""
     sizes = {name: size for name, size, _ in markers.files}
     hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
     completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
     out = []
     for shard in shards:
-        rows, limit, marker = markers.covered(shard.name, shard.stop - shard.start)
+        _, limit, marker = markers.covered(shard.name, shard.stop - shard.start)
         if marker is None:
             continue
-        stem = layout.hidden_state_stem(shard.uri, completions_dir)
-        tag = stem if limit is None else f"{stem}-n{limit}"
-        for j in range(int(marker.get("num_parts", 0))):
-            name = f"{tag}-p{j:04d}{layout.SHARD_SUFFIX}"
+        for name in marker_parts(layout.hidden_state_stem(shard.uri, completions_dir), limit, marker):
             if name in sizes:
                 out.append((storage.join(hidden_dir, name), sizes[name]))
     return sorted(out)
+
+
+def marker_parts(stem: str, limit: int | None, marker: dict) -> list[str]:
+    """Names (relative to hidden_states/) of the parts a done marker vouches for: the parts that count."""
+    return [layout.hidden_state_part_name(stem, limit, j) for j in range(int(marker.get("num_parts", 0)))]
+
+
+def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:
+    """(URI, size) of a run's hidden-state parts that count (`done_parts`), from one listing of each directory:
+    what export, `load`, `hidden-states --check`, stage 2's report and the notebook read. Their sizes summed are THE
+    stored bytes of stage 2 (`status`, the report and the notebook's projection count these, nothing else)."""
+    found = trusted_completion_shards(run_uri, storage_config)
+    markers = stage2_markers(run_uri, found.listed, found.checks, storage_config)
+    return done_parts(markers, found.trusted, run_uri)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A hidden-state part's schema metadata, decoded once
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HiddenStateMeta:
+    """What a hidden-state part's schema metadata says (job/schema.py writes it: `hidden_states_schema`)."""
+    model: str
+    layer_ids: list[int]
+    dtype: str
+    """As stored (float8_e4m3fn for FP8 storage; job/hidden_states/shards.py `record_dtype` is what reading gives)."""
+    hidden_size: int
+    layer_convention: str
+    last_layer_norm: str
+    """schema.LAST_BEFORE_NORM or LAST_AFTER_NORM (after: what parts from before this was recorded hold)."""
+    num_model_layers: int | None
+
+    @property
+    def last_before_norm(self) -> bool:
+        return self.last_layer_norm == schema.LAST_BEFORE_NORM
+
+    @property
+    def bytes_per_token(self) -> int:
+        return schema.hidden_state_bytes_per_token(len(self.layer_ids), self.hidden_size, self.dtype)
+
+
+def hidden_state_meta(metadata: dict[bytes, bytes]) -> HiddenStateMeta:
+    """A hidden-state part's schema metadata (`table.schema.metadata`, or `storage.read_shard_schema(uri).metadata`)
+    decoded; a part that is not one (no layer ids) raises ValueError naming what is missing."""
+    meta = metadata or {}
+    missing = [k.decode() for k in (schema.META_LAYER_IDS, schema.META_DTYPE, schema.META_HIDDEN_SIZE) if k not in meta]
+    if missing:
+        raise ValueError(f"not a hidden-state part: its schema metadata has no {', '.join(missing)}")
+    layers = meta.get(schema.META_NUM_MODEL_LAYERS)
+    return HiddenStateMeta(
+        model=meta.get(schema.META_MODEL, b"").decode(), layer_ids=json.loads(meta[schema.META_LAYER_IDS]),
+        dtype=meta[schema.META_DTYPE].decode(), hidden_size=int(meta[schema.META_HIDDEN_SIZE]),
+        layer_convention=meta.get(schema.META_LAYER_CONVENTION, b"").decode(),
+        last_layer_norm=meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
+        num_model_layers=int(layers) if layers else None)

@@ -1,21 +1,26 @@
 """The stage runner: what both stages do the same way, written once. docs/ARCHITECTURE.md explains the contract.
 
 A stage (job/generate/run.py, job/hidden_states/run.py) supplies only:
-- its work units and how it knows one is done (from one listing of its output directory, job/layout.py's names);
+- its work units and its `UnitLedger`: whether a unit is done and how it is marked done (from one listing of its
+  output directory, job/layout.py's names: stage 1's shard, stage 2's marker; job/scan.py judges both);
 - its identity (the settings that shape its output) and what it records in run.json;
-- its actor class (a `map_batches` callable that takes one unit per call, writes the unit's files atomically and
-  yields one summary row) and how many actors it wants;
+- its actor class (a `map_batches` callable that takes one unit per call, writes the unit's files atomically, its
+  done mark last, and yields one summary row) and how many actors it wants;
 - what it does with each summary row (totals, progress, the canary).
 
 The runner owns the rest, in this order:
     previous = runs.read_run_json(...)                       what an earlier job of this run recorded
     check_identity(previous, stage, identity, allow_drift)   a changed setting is refused, or allowed and named
-    with writing(config, stage, directory, take_lock) as held:   the writer lock; temp files of killed writers removed
-        runs.write_run_json(... "running" ..., held.fence)      every commit is fenced (job/lock.py)
-        follow(map_units(config, units, ActorStage(...)), progress, on_summary, user_errors)
-        runs.write_run_json(... "complete" ...)
-`follow` always closes its progress line, and turns an error raised inside an actor (which Ray hands back as a
-wrapped traceback) into the stage's own error with its own message.
+    with RaySession(config) as session:                      Ray joined or started once; shut down only if started
+        with writing(config, stage, directory, take_lock) as held:   the writer lock; temp files of killed writers gone
+            runs.write_run_json(... "running" ..., held.fence)      every commit is fenced (job/lock.py)
+            session.start()
+            run_units(units, ledger, ActorStage(..., runtime_env=runtime_env(config)), progress, on_summary, errors)
+            runs.write_run_json(... "complete" ...)
+`run_units` skips the units the ledger calls done and marks each unit done as its summary arrives. `follow` always closes its progress line and, when the stage ends on an error or a verdict, stops it in the order
+that lets the verdict be the last thing printed: the dataset's iterator closed (Ray Data's executor stops submitting
+work), then the stage's actors killed, then (leaving the session) Ray shut down. An error raised inside an actor
+(which Ray hands back as a wrapped traceback) comes out as the stage's own error with its own message.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
-from job import lock, progress, runs, storage
+from job import lock, progress, redaction, runs, storage
 from job.cluster import engine_census, kill_stage_actors
 from job.config import RunConfig
 
@@ -84,6 +89,63 @@ def ensure_ray(config: RunConfig, num_cpus: int | None = None) -> bool:
     ctx.enable_progress_bars = False  # our own progress line says more (tokens/s, ETA, quality)
     ctx.print_on_execution_start = False
     return True
+
+
+class RaySession:
+    """The Ray a stage runs on, used the same way by both stages: `start()` joins the cluster or starts a local Ray
+    (`ensure_ray`) and remembers whether it started it; leaving the block shuts down only a Ray this session
+    started (a notebook's Ray, the tests' session Ray and a cluster live on), and puts back the Ray Data settings
+    the stage changed (`set_data_option`), so a notebook that runs a stage keeps its own."""
+
+    def __init__(self, config: RunConfig, num_cpus: int | None = None):
+        self.config, self.num_cpus = config, num_cpus
+        self.started = False
+        """Whether this session started the Ray it runs on (then it shuts it down at the end)."""
+
+    def start(self) -> "RaySession":
+        """Join or start Ray (idempotent: a second call finds it initialized)."""
+        if ensure_ray(self.config, self.num_cpus):
+            self.started = True
+        return self
+
+    def __enter__(self) -> "RaySession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        restore_data_options()
+        if self.started:
+            import ray  # heavy: imported on use
+
+            ray.shutdown()
+            self.started = False
+
+
+_CHANGED_DATA_OPTIONS: list[tuple[object, str, object]] = []
+
+
+def set_data_option(owner: object, name: str, value) -> None:
+    """Set one of Ray Data's process-wide settings for this stage; `restore_data_options` (at the end of the
+    RaySession) puts the first value back."""
+    _CHANGED_DATA_OPTIONS.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def restore_data_options() -> None:
+    while _CHANGED_DATA_OPTIONS:
+        owner, name, value = _CHANGED_DATA_OPTIONS.pop()
+        setattr(owner, name, value)
+
+
+def runtime_env(config: RunConfig) -> dict:
+    """The runtime_env of a stage's actors and tasks: the run's env_vars without its secrets. Ray records a
+    runtime_env (its dashboard, its logs, the GCS); secrets travel in the actor's constructor arguments instead and
+    are set in its own process by `apply_secrets` (job/redaction.py tells which names are secrets)."""
+    return {"env_vars": redaction.split_env(config.env_vars)[0]}
+
+
+def apply_secrets(config_dict: dict) -> None:
+    """In an actor or task process: set the run's secret env_vars (`runtime_env` left them out)."""
+    redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])
 
 
 def check_identity(previous: dict, stage: str, identity: dict, allow_drift: bool, **kwargs) -> dict:
@@ -143,16 +205,18 @@ class ActorStage:
 
 
 def map_units(units: list, stage: ActorStage):
-    """A Ray Data pipeline of `units` (each with `to_row()`) through `stage.actor`. One block per unit, so each
-    unit is its own task: an actor runs `units_per_actor` of them at once, and a replaced actor retries exactly
-    its own units."""
+    """A Ray Data pipeline of `units` (each with `to_row()`) through `stage.actor`, not yet running: iterate it (or
+    hand `.iter_rows()` to `follow`) to run it. One block per unit, so each unit is its own task: an actor runs
+    `units_per_actor` of them at once, and a replaced actor retries exactly its own units. Call it inside a started
+    RaySession."""
     import ray  # heavy: imported on use
 
     if stage.max_actors > stage.min_actors:
         # Ray Data adds an actor when its pool's utilization (units in flight / (actors × max_concurrency)) reaches
         # this. Its default, 1.75, assumes actors queue 4 tasks but run 1; ours run all they hold, so the pool is
         # at most 1.0 busy: "every actor full" must be the trigger, or no actor is ever added.
-        ray.data.DataContext.get_current().autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
+        set_data_option(ray.data.DataContext.get_current().autoscaling_config,
+                        "actor_pool_util_upscaling_threshold", 1.0)
     # An actor that runs several units at once is handed exactly as many as it runs.
     per_actor = ({"max_tasks_in_flight_per_actor": stage.units_per_actor,
                   "max_concurrent_calls_per_actor": stage.units_per_actor} if stage.units_per_actor else {})
@@ -172,6 +236,31 @@ def map_units(units: list, stage: ActorStage):
     )
 
 
+class UnitLedger(Protocol):
+    """A stage's two answers about its units, the only place each is written: `is_done(unit)` (the runner skips the
+    unit) and `mark_done(summary)` (called by the runner with each unit's summary row as it arrives, before the
+    stage's own `on_summary`: the commit that makes the unit done, if the actor has not made it already). The model
+    is datatrove's executor: skip-if-done and mark-done in one place."""
+
+    def is_done(self, unit) -> bool: ...
+
+    def mark_done(self, summary: dict) -> None: ...
+
+
+def run_units(units: list, ledger: UnitLedger, actors: ActorStage, tracker: progress.Progress,
+              on_summary: Callable[[dict], None], user_errors: tuple[type[BaseException], ...]) -> list:
+    """The units `ledger` does not call done, through `actors`, each summary marked done by the ledger and then
+    handed to `on_summary` (`follow`). Returns the units that ran. Call it inside a started RaySession."""
+    pending = [u for u in units if not ledger.is_done(u)]
+    if pending:
+        def take(summary: dict) -> None:
+            ledger.mark_done(summary)
+            on_summary(summary)
+
+        follow(map_units(pending, actors).iter_rows(), tracker, take, user_errors)
+    return pending
+
+
 def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Callable[[dict], None],
            user_errors: tuple[type[BaseException], ...]) -> None:
     """Consume the per-unit summary rows as units finish. The progress line stops however this ends; an error of
@@ -184,10 +273,26 @@ def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Ca
                 on_summary(s)
         except BaseException:
             # An error (or the canary's verdict): stop the stage's engines now, whoever lives on after the driver's
-            # error (a notebook's Ray, the tests' session Ray, a cluster) would otherwise keep them.
+            # error (a notebook's Ray, the tests' session Ray, a cluster) would otherwise keep them. The iterator
+            # first: left open, Ray Data's executor kept submitting units to the actors being killed ("(raylet) Task
+            # MapWorker... submit failed ... killed by ray.kill", 8 lines) and tore itself down only when the
+            # iterator was collected, after Ray was shut down (two "Ray is not initialized" tracebacks), all printed
+            # after the verdict (issue 43 item 9).
+            _close(rows)
             _stop_failed_stage(started)
             raise
         let_actors_stop(started)
+
+
+def _close(rows) -> None:
+    """Close a Ray Data row iterator now: its `finally` shuts its streaming executor down (ray/data/iterator.py
+    `_on_iteration_end`), instead of whenever the garbage collector gets to it."""
+    close = getattr(rows, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # the stage's own error is the one to report
+            pass
 
 
 @contextmanager

@@ -90,5 +90,5 @@ def test_other_models_are_not_fused(tiny_model_dir):
     assert TransformersExtractor(dense, layer_ids=[0], fuse="auto").fuse == "off"
     with pytest.raises(ValueError, match="fuse 'compile' is not available for this model: decoder layer 0"):
         TransformersExtractor(dense, layer_ids=[0], fuse="compile")
-    with pytest.raises(ValueError, match="fuse must be one of"):
+    with pytest.raises(ValueError, match="hidden_states.fuse must be auto, off, compile, fla or reference, got 'fast'"):
         TransformersExtractor(dense, layer_ids=[0], fuse="fast")

@@ -214,6 +214,41 @@ def test_run_without_shards_yet(stage1_dir, tmp_path):
     assert proj["projected_tokens"] == 0 and "nothing to project from" in jh.format_projection(proj)
 
 
+def test_the_notebook_reader_names_a_truncated_shard_and_shows_the_rest(run_dir, table, tmp_path, capsys):
+    """Issue 43 item 10: one completion shard cut in half (a copy interrupted, a full disk). The notebook's reader
+    used to stop with `ArrowInvalid: Not an Arrow file`; it takes its shards from scan.trusted_completion_shards, as
+    `status`, `report` and both stages do: the damaged shard is named in one line (the same one `status` names), and
+    every other row is shown, its hidden-state views included."""
+    from job.runview import status
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(run_dir, damaged)
+    names = completion_shard_files(damaged)
+    cut = Path(damaged, layout.COMPLETIONS_DIR, names[1])
+    cut_ids = set(storage.read_shard(str(cut)).column(schema.ID).to_pylist())
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    capsys.readouterr()
+
+    problems: dict[str, str] = {}
+    rows = ji.read_rows(damaged, unreadable=problems)
+    printed = capsys.readouterr().out
+    assert list(problems) == [names[1]] and "truncated?" in problems[names[1]]
+    assert names[1] in printed and "1 completion shard(s) cannot be read whole" in printed
+    assert status.build_status(damaged)["unreadable_shards"] == problems, "the notebook and status name the same"
+    assert set(rows.column(schema.ID).to_pylist()) == set(table.column(schema.ID).to_pylist()) - cut_ids
+    assert rows.num_rows == NUM_ROWS - len(cut_ids) and cut_ids
+    assert len(ji.token_lengths(rows)["output"]) > 0 and ji.error_examples(rows)
+    shown = ji.fetch_rows(damaged, rows, ji.pick_rows(rows, 3))
+    assert len(shown) == 3 and not {r[schema.ID] for r in shown} & cut_ids
+    rep = report.build_report(damaged)
+    assert rep["unreadable_shards"] == problems and rep["rows_done"] == rows.num_rows
+    assert names[1] in report.format_report(rep)
+    # Stage 2's views read the parts of the trusted shards only (the one done rule), and still agree with them.
+    assert jh.check_token_alignment(damaged, rows) == []
+    proj = jh.storage_projection(damaged, rows)
+    assert proj["rows_done"] == rows.num_rows and proj["stored_bytes"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Quality
 # ---------------------------------------------------------------------------------------------------------------

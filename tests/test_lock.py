@@ -94,12 +94,15 @@ def test_a_holder_that_loses_its_lock_is_interrupted(output, monkeypatch):
     monkeypatch.setattr(lock, "LOCK_HEARTBEAT_S", 0.2)
     started = time.monotonic()
     taker = WriterLock(output, "generate", take_over=True)
+    work_finished = False
     with pytest.raises(LockError, match="stopped: another job took over"):
         with WriterLock(output, "generate"):
             taker.__enter__()
-            while time.monotonic() - started < 20:  # the job's work; interrupted at the next renewal
+            while time.monotonic() - started < 120:  # the job's work; interrupted at the next renewal (0.2 s)
                 time.sleep(0.05)
-    assert time.monotonic() - started < 5
+            work_finished = True
+    # Interrupted inside its work, not refused at its end: a fact, not a timing (it used to assert < 5 s).
+    assert not work_finished
     taker.__exit__(None, None, None)
 
 
@@ -205,8 +208,8 @@ def test_a_holder_that_ignores_sigint_still_stops(tmp_path):
     """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert child.stdout.readline().strip() == "held"
     with WriterLock(RunConfig(model="m", output=output), "generate", take_over=True):
-        started = time.monotonic()
-        code = child.wait(timeout=30)
-        waited = time.monotonic() - started
-    assert code == lock.LOCK_LOST_EXIT_CODE, child.stderr.read()
-    assert waited < 10 and "commits nothing more" in child.stderr.read()
+        code = child.wait(timeout=120)  # it exits by itself at its next renewal; the bound only ends a hang
+    # Its own exit code and words say it stopped because it lost the lock (no timing asserted: it used to be < 10 s).
+    stderr = child.stderr.read()
+    assert code == lock.LOCK_LOST_EXIT_CODE, stderr
+    assert "commits nothing more" in stderr

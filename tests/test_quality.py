@@ -3,14 +3,18 @@ wrong model family's chat template, and the report on a partial run."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import simple_prompts, write_prompts
+import yaml
+from conftest import DEMO_CONFIG, REPO, simple_prompts, write_prompts
 
 from job import schema
 from job.config import QualityConfig
-from job.generate import CanaryFailed, quality, run_generate
+from job.generate import quality
 from job.generate.report import build_report, format_report
 
 CFG = QualityConfig(min_content_tokens=5, repetition_ngram=3, repetition_tail_tokens=60,
@@ -85,18 +89,32 @@ def test_canary_verdict_thresholds(totals, bad_words):
     assert quality.canary_verdict(healthy, QualityConfig()) is None
 
 
-def test_wrong_template_trips_the_canary_early_then_report_reads_the_partial_run(tmp_path, make_config, local_ray):
-    # ~45-65 s: an engine start (the canary judges what the engine generates with the wrong template; the shared run
-    # has the right one and must pass it).
+def test_wrong_template_trips_the_canary_early_ends_on_its_verdict_then_report_reads_the_partial_run(tmp_path,
+                                                                                                  tiny_model_dir):
+    """`python -m job generate` as a user runs it (its own Ray, started and shut down by the job), with the wrong
+    model family's chat template. ~45-65 s: an engine start (the canary judges what the engine generates with the
+    wrong template; the shared run has the right one and must pass it). The verdict is the last thing printed:
+    the dataset's iterator is closed before the engines are killed and Ray shut down, so no Ray Data traceback
+    ("Ray is not initialized") and no "(raylet) ... killed by ray.kill" line trails it (issue 43 item 9)."""
     rows = simple_prompts(400)
-    template = str(Path(__file__).parent / "data" / "llama3_chat_template.jinja")
-    config = make_config(input=write_prompts(tmp_path / "in", rows), output=str(tmp_path / "run"),
-                         **{"generate.chat_template": template, "quality.canary_rows": 16,
-                            "generate.rows_per_shard": 64})
-    with pytest.raises(CanaryFailed) as e:
-        run_generate(config)
-    assert "chat template" in str(e.value)
-    report = build_report(config.output)
+    data = yaml.safe_load(Path(DEMO_CONFIG).read_text())
+    data["generate"].update(chat_template=str(Path(__file__).parent / "data" / "llama3_chat_template.jinja"),
+                            rows_per_shard=64)
+    data["quality"]["canary_rows"] = 16
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(data))
+    output = str(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "job", "generate", "--config", str(config), "--model",
+                           tiny_model_dir, "--input", str(write_prompts(tmp_path / "in", rows)), "--output", output],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    printed = proc.stdout
+    assert proc.returncode == 3, printed[-3000:]
+    verdict = printed[printed.rindex("\nerror: "):]
+    assert "chat template" in verdict and verdict.rstrip().endswith("run into a new --output."), verdict
+    for trailing in ("Traceback", "(raylet)", "killed by", "Ray is not initialized", "MapWorker"):
+        assert trailing not in verdict, f"printed after the verdict: {verdict}"
+    report = build_report(output)
     assert 16 <= report["rows_done"] < 200, "the run stopped well before the input ended"
     assert report["flags"][schema.FLAG_TEMPLATE_MISMATCH]["rate"] == 1.0
     assert report["status"] == "canary_failed"

@@ -25,12 +25,14 @@ sglang; speculators 0.9.0 needs `datasets`, which the shared venv lacks):
   split off as `verifier_last_hidden_states`), data_generation/preprocessing.py (columns input_ids, loss_mask,
   seq_len; `set_format("torch")` before `save_to_disk`), train/vocab_mapping.py (`token_freq.pt`).
 
-Layer conventions (DESIGN.md): ours, k = output of decoder layer k = transformers output_hidden_states[k + 1], is
-SpecForge's too (DFlash `extract_context_feature` reads hidden_states[layer_id + 1]; EAGLE-3 captures the input of
-layer id + 1 in SGLang). vLLM and speculators count one higher (id = ours + 1; speculators' dflash converter
-maps `i + 1`), and their last slot is the final decoder layer BEFORE the final norm: a run meant for speculators
-sets `hidden_states.last_layer_before_norm: true`. SpecForge's EAGLE-3 `hidden_state` is the last layer AFTER the
-norm (its trainer feeds it to the target's LM head): the default. An export whose run holds the other one stops.
+Layer conventions (docs/ARCHITECTURE.md, "One run, every trainer"; job/drafters.py): ours, k = output of decoder
+layer k = transformers output_hidden_states[k + 1], is SpecForge's too (DFlash `extract_context_feature` reads
+hidden_states[layer_id + 1]; EAGLE-3 captures the input of layer id + 1 in SGLang). vLLM and speculators count one
+higher (id = ours + 1; speculators' dflash converter maps `i + 1`), and their last slot is the final decoder layer
+BEFORE the final norm: what a run stores by default (`hidden_states.last_layer_before_norm: true`). SpecForge's
+EAGLE-3 `hidden_state` is the last layer AFTER the norm (its trainer feeds it to the target's LM head): the export
+applies the target's final norm to the stored layer (export/norm.py). A run that stored it after the norm (`false`)
+exports to SpecForge only: an export to speculators from it stops.
 
 Every export writes `export.json` (conventions, layer ids in the trainer's terms, counts, dropped by reason),
 `samples.jsonl` (trainer index → our id) and `dropped.jsonl` (id, reason) beside the trainer's files.

@@ -112,7 +112,12 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
     """Every completion row of the run either becomes one line of `output/conversations.jsonl` or one line of
     `output/dropped.jsonl` with the reason; `export.json` counts both and checks they add up to the input."""
 
-    uris = scan.completion_shards(run, storage_config)
+    found = scan.trusted_completion_shards(run, storage_config)
+    line = found.problem_line("left out of this export; the next `generate` on the run moves them aside to "
+                              "quarantine/ and generates their rows again")
+    if line:
+        print(line, flush=True)
+    uris = [s.uri for s in found.trusted]
     if not uris:
         raise ExportError(f"export: no completion shards under {storage.join(run, layout.COMPLETIONS_DIR)}")
     config = (runs.read_run_json(run, storage_config) or {}).get("config", {})

@@ -108,17 +108,15 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     they must agree (one run, one way of extracting)."""
     seen = None
     for uri in shard_uris[:1] + shard_uris[-1:]:
-        meta = storage.read_shard_schema(uri, storage_config).metadata
-        layout = (json.loads(meta[schema.META_LAYER_IDS]), meta.get(schema.META_NUM_MODEL_LAYERS),
-                  meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
-                  meta[schema.META_MODEL].decode(), meta[schema.META_DTYPE].decode())
+        m = scan.hidden_state_meta(storage.read_shard_schema(uri, storage_config).metadata)
+        layout = (m.layer_ids, m.num_model_layers, m.last_layer_norm, m.model, m.dtype)
         if seen is not None and layout != seen:
             raise ExportError(f"export: shards of one run disagree on their layers ({seen} vs {layout}): stage 2 "
                               "was redone with other settings into the same output")
         seen = layout
     layer_ids, num_layers, norm, model, dtype = seen
     # Shards written before `num_model_layers` was recorded: ask the model's config.
-    num_layers = int(num_layers) if num_layers is not None else target.shape(model).num_layers
+    num_layers = num_layers if num_layers is not None else target.shape(model).num_layers
     return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model, dtype
 
 

@@ -13,7 +13,6 @@ from collections import Counter
 import numpy as np
 
 from job import layout, scan, schema, storage
-from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
 _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
@@ -34,14 +33,9 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
     storage_config = storage_config or StorageConfig()
-    run = read_run_json(run_uri, storage_config)
-    if run is None:
-        raise RunError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: `generate` "
-                       "writes it before the first shard)")
-    listed = scan.list_completion_shards(run_uri, storage_config)
-    problems = scan.unreadable(scan.check_completion_shards(listed, storage_config))
-    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config,
-                              shards=[s.uri for s in listed if s.name not in problems])
+    run = scan.require_run(run_uri, storage_config)
+    problems: dict[str, str] = {}
+    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems)  # trusted shards only
     errors = table.column(schema.ERROR).to_pylist()
     ok_mask = scan.ok_rows(table)
     num_ok = int(ok_mask.sum())

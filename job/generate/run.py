@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from job import cluster, layout, progress, redaction, runs, scan, stage, storage
+from job import cluster, layout, progress, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
 from job.generate import engine_sizing, inputs, prompts, quality
 from job.generate.units import count_done_rows, pending_units, wanted_ranges
@@ -122,11 +122,27 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
     two settings). `take_lock`: take over another job's writer lock (only when that job is dead). Changed input is
     refused either way."""
     started = time.monotonic()
+    config = _checked_config(config)
+    with stage.RaySession(config) as ray_session:
+        # On a cluster, refuse paths the engines' nodes cannot see before anything is written or started.
+        if cluster.joining_cluster():
+            ray_session.start()
+        cluster.check_paths_reach_workers(config, {"--input": config.input, "--output": config.output,
+                                                   "generate.chat_template": config.generate.chat_template})
+        run_input = _read_input(config, allow_drift)
+        with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock) as held:
+            summary = _generate(config, run_input, ray_session, canary, held.fence)
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _checked_config(config: RunConfig) -> RunConfig:
+    """The config refused at once when it cannot work (no input, no model), with the engine settings a text-only
+    run of this model needs; what `max_num_seqs: auto` will do is said first."""
     if not config.input:
         raise ConfigError("no input: pass --input (a folder, file or s3:// prefix of prompts: parquet, JSONL or "
                           "Arrow / datasets.save_to_disk)")
     check_model(config)
-
     engine_kwargs, note = text_only_engine_kwargs(config.model, config.engine_kwargs)
     if note:
         print(note, flush=True)
@@ -135,24 +151,34 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
         print(f"engine: max_num_seqs auto: each engine sizes it from its device's memory for "
               f"{config.generate.kv_tokens_per_seq:,} tokens a sequence (its line 'max_num_seqs auto = N' follows "
               "when it starts)", flush=True)
+    return config
 
-    # On a cluster, refuse paths the engines' nodes cannot see before anything is written or started.
-    joined_ray = stage.ensure_ray(config) if cluster.joining_cluster() else False
-    cluster.check_paths_reach_workers(config, {"--input": config.input, "--output": config.output,
-                                               "generate.chat_template": config.generate.chat_template})
 
+@dataclass
+class _RunInput:
+    """What stage 1 knows of its input and of the run before it takes the lock."""
+    files: list
+    file_records: list
+    carried: pa.Schema
+    ident: dict
+    sampling: dict
+    chat_template: str | None
+    previous: dict | None
+    total_rows: int
+
+
+def _read_input(config: RunConfig, allow_drift: bool) -> _RunInput:
+    """Input files listed and their footers read (cheap); ids validated once per run; a changed input refused
+    whatever the flags say, changed settings unless `allow_drift`."""
     chat_template = read_chat_template(config)
     sampling = resolved_sampling(config.model, config.generate.sampling)
-
-    # 1. Input: list files and read their footers (cheap), validate ids once per run.
     files = inputs.list_input_files(config.input, config.storage)
     for note in (inputs.row_group_note(files, config.generate.rows_per_shard),
                  inputs.compressed_note(files, config.generate.rows_per_shard)):
         if note:
             print(note, flush=True)
     previous = runs.read_run_json(config.output, config.storage)
-    fingerprint = inputs.fingerprint(files)
-    ident = runs.identity(config, sampling, chat_template, fingerprint)
+    ident = runs.identity(config, sampling, chat_template, inputs.fingerprint(files))
     if previous and "generate" in previous:
         recorded = previous["generate"].get("input", {}).get("files")
         if recorded is not None:  # refused whatever the flags say: never resume across changed input
@@ -173,76 +199,91 @@ def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: boo
                                         regenerate=config.generate.regenerate)
         file_records = inputs.describe_files(files, config.input, digests,
                                              inputs.content_digests(files, config.storage))
-    total_rows = sum(n for _, s, e in wanted_ranges(files, config.limit) for n in [e - s])
+    total_rows = sum(e - s for _, s, e in wanted_ranges(files, config.limit))
+    return _RunInput(files=files, file_records=file_records, carried=carried, ident=ident, sampling=sampling,
+                     chat_template=chat_template, previous=previous, total_rows=total_rows)
 
-    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=take_lock) as held:
-        # 2. What is left: the output listing minus the wanted row ranges.
-        completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-        done = _trusted_shards(config, held.fence)
-        done_rows = count_done_rows(files, done, config.limit)
-        canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
-        run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
-        units = pending_units(files, done, config.limit, config.generate.rows_per_shard,
-                                     first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
-        summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
-        runs.write_run_json(config, "generate", {
-            "identity": ident, "input": {"uri": config.input, "format": files[0].format, "num_files": len(files),
-                                         "num_rows": total_rows, "files": file_records,
-                                         "columns": base64.b64encode(carried.serialize().to_pybytes()).decode()},
-            "sampling": sampling, "status": "running" if units else "complete"}, held.fence)
-        if not units:
-            summary.already_complete = True
-            summary.seconds = time.monotonic() - started
-            print(f"nothing to do: all {total_rows:,} rows of this run are already in {completions}", flush=True)
-            return summary
-        print(f"generate: {len(units):,} work units, {sum(u.num_rows for u in units):,} rows to go "
-              f"({done_rows:,} of {total_rows:,} already done)", flush=True)
 
-        # 3. Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
-        import ray  # heavy: imported on use
+def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySession, canary: bool,
+              fence) -> GenerateSummary:
+    """Under the writer lock: what is left (the output listing minus the wanted row ranges), cut into units and
+    streamed through the engines; run.json and the report written under the fence."""
+    files, total_rows, previous = run_input.files, run_input.total_rows, run_input.previous
+    completions = storage.join(config.output, layout.COMPLETIONS_DIR)
+    done = _trusted_shards(config, fence)
+    done_rows = count_done_rows(files, done, config.limit)
+    canary_passed = bool(previous and previous.get("generate", {}).get("canary_passed"))
+    run_canary = canary and config.quality.canary_rows > 0 and not canary_passed
+    units = pending_units(files, done, config.limit, config.generate.rows_per_shard,
+                          first_unit_rows=config.quality.canary_rows if run_canary and done_rows == 0 else None)
+    summary = GenerateSummary(output=config.output, num_rows_total=total_rows, num_rows_done_before=done_rows)
+    runs.write_run_json(config, "generate", {
+        "identity": run_input.ident,
+        "input": {"uri": config.input, "format": files[0].format, "num_files": len(files), "num_rows": total_rows,
+                  "files": run_input.file_records,
+                  "columns": base64.b64encode(run_input.carried.serialize().to_pybytes()).decode()},
+        "sampling": run_input.sampling, "status": "running" if units else "complete"}, fence)
+    if not units:
+        summary.already_complete = True
+        print(f"nothing to do: all {total_rows:,} rows of this run are already in {completions}", flush=True)
+        return summary
+    print(f"generate: {len(units):,} work units, {sum(u.num_rows for u in units):,} rows to go "
+          f"({done_rows:,} of {total_rows:,} already done)", flush=True)
 
-        with stage.failure_recorded(config, "generate", held.fence):
-            started_ray = stage.ensure_ray(config) or joined_ray
-            try:
-                engines = engine_pool(config)
-                summaries = stage.map_units(units, _engines(config, carried, chat_template, engines, held.fence))
-                tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
-                                            num_engines=engines[0], max_engines=engines[1])
-                consume = _Consumer(config, summary, tracker, run_canary, held.fence)
-                stage.follow(summaries.iter_rows(), tracker, consume, _user_errors())
-                summary.generation_seconds = consume.window()
-            finally:
-                if started_ray:  # stop the engines now, so their shutdown logs do not trail the summary
-                    ray.shutdown()
-        runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
-                                                 "max_num_seqs": summary.max_num_seqs,
-                                                 "max_num_seqs_auto": summary.sizing,
-                                                 "output_tokens_per_s": summary.output_tokens_per_s}, held.fence)
-        try:
-            write_report(config.output, config.storage, guard=held.fence.guard)
-            summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
-        except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
-            log.warning("the run is complete but its report could not be written (%s); "
-                        "`python -m job report %s` makes it later", e, config.output)
-    summary.seconds = time.monotonic() - started
+    # Ray Data: units → engine actors (each writes its shards) → per-unit summaries back here.
+    with stage.failure_recorded(config, "generate", fence):
+        ray_session.start()
+        engines = engine_pool(config)
+        tracker = progress.Progress(total_rows=total_rows, done_rows=done_rows, label="generate",
+                                    num_engines=engines[0], max_engines=engines[1])
+        consume = _Consumer(config, summary, tracker, run_canary, fence)
+        stage.run_units(units, _Shards(done), _engines(config, run_input.carried, run_input.chat_template, engines,
+                                                       fence), tracker, consume, _user_errors())
+        summary.generation_seconds = consume.window()
+    runs.write_run_json(config, "generate", {"status": "complete", "num_engines": engines[0],
+                                             "max_num_seqs": summary.max_num_seqs,
+                                             "max_num_seqs_auto": summary.sizing,
+                                             "output_tokens_per_s": summary.output_tokens_per_s}, fence)
+    try:
+        write_report(config.output, config.storage, guard=fence.guard)
+        summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
+    except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
+        log.warning("the run is complete but its report could not be written (%s); "
+                    "`python -m job report %s` makes it later", e, config.output)
     return summary
 
 
+class _Shards:
+    """Stage 1's ledger (stage.UnitLedger). A unit is done when its shard is among the trusted ones (the units come
+    from `pending_units`, which cut only rows no trusted shard covers, so none is when it runs). It is marked done by
+    its engine's atomic commit of its shard, under the fence (engine.py): the shard is the mark, and nothing is left
+    for the runner to write."""
+
+    def __init__(self, done_shard_names: list[str]):
+        self.done = set(done_shard_names)
+
+    def is_done(self, unit) -> bool:
+        return unit.shard_name in self.done
+
+    def mark_done(self, summary: dict) -> None:
+        pass
+
+
 def _trusted_shards(config: RunConfig, fence) -> list[str]:
-    """Names of the completion shards that count as done: those that can be read whole. One that cannot (truncated,
-    zero bytes, not a completion shard) is moved aside to quarantine/ (never deleted) and its rows are generated
-    again; one line names them."""
-    shards = scan.list_completion_shards(config.output, config.storage)
-    problems = scan.unreadable(scan.check_completion_shards(shards, config.storage))
-    if problems:
-        aside = storage.join(config.output, layout.QUARANTINE_DIR, layout.COMPLETIONS_DIR)
-        print(scan.unreadable_line(problems, f"moved aside to {aside}/ and their rows generated again"), flush=True)
+    """Names of the completion shards that count as done: the trusted ones (scan.trusted_completion_shards). One
+    that cannot be trusted (truncated, zero bytes, not a completion shard) is moved aside to quarantine/ (never
+    deleted) and its rows are generated again; one line names them."""
+    found = scan.trusted_completion_shards(config.output, config.storage)
+    aside = storage.join(config.output, layout.QUARANTINE_DIR, layout.COMPLETIONS_DIR)
+    line = found.problem_line(f"moved aside to {aside}/ and their rows generated again")
+    if line:
+        print(line, flush=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-        for name in problems:
+        for name in found.problems:
             with fence.guard():
                 storage.move(storage.join(completions, name), storage.join(aside, f"{name}.{stamp}"), config.storage)
-    return [s.name for s in shards if s.name not in problems]
+    return [s.name for s in found.trusted]
 
 
 def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
@@ -259,7 +300,7 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
         gpus_per_actor=config.tensor_parallel_size if ray.cluster_resources().get("GPU", 0)
         and config.generate.regenerate != prompts.NONE else 0,  # `none` starts no engine
         max_retries=-1,  # a dead engine kills its actor (see engine.py): restart it and retry its units, forever
-        runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})  # secrets: at construction (engine.py)
+        runtime_env=stage.runtime_env(config))  # secrets: at construction (engine.py)
 
 
 class _Consumer:

@@ -4,7 +4,7 @@ O(shards), never O(rows)."""
 
 from __future__ import annotations
 
-from job import layout
+from job import layout, rowranges
 from job.generate import jsonl_input
 from job.generate.inputs import InputFile
 from job.layout import CompletionUnit
@@ -24,30 +24,23 @@ def wanted_ranges(files: list[InputFile], limit: int | None) -> list[tuple[int, 
     return ranges
 
 
+def done_ranges(done_shard_names: list[str]) -> dict[int, list[tuple[int, int]]]:
+    """{file_index: row ranges} the done shards' names cover (names that are not completion shards' are ignored)."""
+    parsed = (layout.parse_completion_shard_name(name) for name in done_shard_names)
+    return rowranges.by_file(p for p in parsed if p is not None)
+
+
 def pending_units(files: list[InputFile], done_shard_names: list[str], limit: int | None,
                   rows_per_shard: int, first_unit_rows: int | None = None) -> list[CompletionUnit]:
     """Cut the wanted rows not covered by a done shard into units of `rows_per_shard` rows.
 
     `first_unit_rows` makes the first units of the run smaller (the canary: their rows come back first).
     """
-    covered: dict[int, list[tuple[int, int]]] = {}
-    for name in done_shard_names:
-        parsed = layout.parse_completion_shard_name(name)
-        if parsed:
-            covered.setdefault(parsed[0], []).append((parsed[1], parsed[2]))
+    covered = done_ranges(done_shard_names)
     units: list[CompletionUnit] = []
     small_left = first_unit_rows or 0
     for file_index, start, stop in wanted_ranges(files, limit):
-        gaps, pos = [], start
-        for s, e in sorted(covered.get(file_index, [])):
-            if s > pos:
-                gaps.append((pos, min(s, stop)))
-            pos = max(pos, e)
-            if pos >= stop:
-                break
-        if pos < stop:
-            gaps.append((pos, stop))
-        for gs, ge in gaps:
+        for gs, ge in rowranges.gaps(covered.get(file_index, []), start, stop):
             pos = gs
             while pos < ge:
                 size = rows_per_shard
@@ -62,11 +55,8 @@ def pending_units(files: list[InputFile], done_shard_names: list[str], limit: in
 
 
 def count_done_rows(files: list[InputFile], done_shard_names: list[str], limit: int | None) -> int:
-    wanted = {i: (s, e) for i, s, e in wanted_ranges(files, limit)}
-    total = 0
-    for name in done_shard_names:
-        parsed = layout.parse_completion_shard_name(name)
-        if parsed and parsed[0] in wanted:
-            lo, hi = wanted[parsed[0]]
-            total += max(0, min(hi, parsed[2]) - max(lo, parsed[1]))
-    return total
+    """Wanted rows that a done shard covers, each counted once: shards whose ranges overlap (the same rows cut two
+    ways) do not count their common rows twice. (This used to sum each shard's rows, overlaps twice, while `status`
+    merged them: the merged count is the true one, and the one `pending_units` agrees with.)"""
+    covered = done_ranges(done_shard_names)
+    return sum(rowranges.covered_rows(covered.get(i, []), s, e) for i, s, e in wanted_ranges(files, limit))

@@ -215,8 +215,10 @@ class HiddenStateExtractor:
             "source": source,  # what this marker covers: scan.marker_matches compares it with the shard now
         }
         self.self_check, self.warnings = {}, []
-        storage.write_json(storage.join(out, unit.marker_name), summary, cfg.storage, self.guard)
-        yield {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
+        # The unit is marked done by the runner (stage 2's ledger, run.py `_Markers`) writing this marker, after every
+        # part above is committed.
+        row = {k: [json.dumps(v) if isinstance(v, dict) else v] for k, v in summary.items()}
+        yield {**row, "marker_name": [unit.marker_name], "marker": [json.dumps(summary)]}
 
     def _stream(self, unit: HiddenStateUnit):
         parts, _, _ = self._samples(unit)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from job import cluster, layout, progress, redaction, runs, scan, schema, stage, storage, target
+from job import cluster, layout, progress, runs, scan, schema, stage, storage, target
 from job.config import ConfigError, RunConfig, from_dict, resolve_layer_ids, to_dict
 from job.drafters import EVERY_TRAINER
 from job.drafters import describe as describe_layers
@@ -51,20 +51,19 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
     the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
     (the shard was regenerated since) are the unit's `stale` ones; shards that cannot be read whole are named in one
     line and left out. `orphans` receives the names of parts and markers whose completion shard no longer exists."""
-    shards = scan.list_completion_shards(config.output, config.storage)
+    found = scan.trusted_completion_shards(config.output, config.storage)
     completions = storage.join(config.output, layout.COMPLETIONS_DIR)
-    if not shards:
+    if not found.listed:
         raise ConfigError(f"no completion shards under {completions}: run stage 1 first "
                           "(`python -m job generate ...`) or point --output at its run directory")
-    checks = scan.check_completion_shards(shards, config.storage)
-    problems = scan.unreadable(checks)
-    if problems:
-        print(scan.unreadable_line(problems, "left out of stage 2. Run stage 1 again on this output: it moves them "
-                                             "aside and generates their rows again"), flush=True)
+    line = found.problem_line("left out of stage 2. Run stage 1 again on this output: it moves them aside and "
+                              "generates their rows again")
+    if line:
+        print(line, flush=True)
     # Judged against every listed shard: a damaged one's markers are stale (its rows will be generated again), not
     # orphans.
-    markers = scan.stage2_markers(config.output, shards, checks, config.storage)
-    shards = [s for s in shards if s.name not in problems]
+    markers = scan.stage2_markers(config.output, found.listed, found.checks, config.storage)
+    shards = found.trusted
     units, left = [], config.limit
     for shard in shards:
         n = shard.stop - shard.start
@@ -145,25 +144,30 @@ def _kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
     return scan.kept_tokens(t, hs.keep_flagged, hs.max_length)  # the one rule of which rows are kept
 
 
+def storage_layout(model: str, layer_ids_setting, dtype: str) -> dict:
+    """What one stored token costs for this model, layer setting and dtype: the layer ids, hidden size, bytes of
+    the features alone and of a whole token (features, FP8 scales, input id and loss mask: schema's rule). The one
+    computation `estimate_storage` and the notebook's projection (job/runview/hidden.py) share."""
+    shape = target.shape(model)
+    layer_ids = resolve_layer_ids(layer_ids_setting, shape.num_layers)
+    return {"layer_ids": layer_ids, "num_layers": len(layer_ids), "hidden_size": shape.hidden_size, "dtype": dtype,
+            "feature_bytes_per_token": len(layer_ids) * shape.hidden_size * schema.ITEMSIZE[dtype],
+            "bytes_per_token": schema.hidden_state_bytes_per_token(len(layer_ids), shape.hidden_size, dtype)}
+
+
 def estimate_storage(config: RunConfig, units: list[HiddenStateUnit] | None = None) -> dict:
     """What the run will store: bytes per token and the total for the input (clipping and skipped rows counted;
     reads only the length columns of the completion shards)."""
     hs = config.hidden_states
-    shape = target.shape(config.model)
-    num_layers, hidden = shape.num_layers, shape.hidden_size
-    layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+    sizing = storage_layout(config.model, hs.layer_ids, hs.dtype)
     units = units if units is not None else plan_units(config)
     with ThreadPoolExecutor(16) as pool:
         counts = list(pool.map(lambda u: _kept_tokens(u, config), units))
-    feature_bytes = len(layer_ids) * hidden * schema.ITEMSIZE[hs.dtype]
-    per_token = schema.hidden_state_bytes_per_token(len(layer_ids), hidden, hs.dtype)
+    per_token = sizing["bytes_per_token"]
     tokens = sum(t for _, t in counts)
     pending = sum(t for u, (_, t) in zip(units, counts) if not u.done)
-    return {"bytes_per_token": per_token, "feature_bytes_per_token": feature_bytes, "num_layers": len(layer_ids),
-            "layer_ids": layer_ids, "hidden_size": hidden, "dtype": hs.dtype,
-            "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
+    return {**sizing, "num_samples": sum(r for r, _ in counts), "num_tokens": tokens, "total_bytes": tokens * per_token,
             "num_tokens_pending": pending, "pending_bytes": pending * per_token}
-
 
 
 @dataclass(kw_only=True)
@@ -199,24 +203,24 @@ USER_ERRORS = (HiddenStateCheckError, ConfigError)
 """Errors raised inside an extractor (the self-check, a config the model refuses) that reach the user as such."""
 
 
-def _pipeline(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None,
-              skip_ids: frozenset[str] = frozenset()):
+def _extractors(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], mode: str, fence=None,
+                skip_ids: frozenset[str] = frozenset()) -> stage.ActorStage:
+    """The extractor actors for `units` (one per GPU, or hidden_states.num_workers), in `mode` write or stream."""
     import ray  # heavy: imported on use
 
-    stage.ensure_ray(config)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if config.hidden_states.backend == "vllm" and not gpus:
         raise ConfigError(vllm_unavailable_reason() or "hidden_states.backend 'vllm' needs a GPU in the cluster")
     workers = config.hidden_states.num_workers or max(1, gpus)
     # The exactness self-check of every worker uses samples of the first unit: the run's own data.
     check_source = {"uri": units[0].uri, "row_limit": units[0].row_limit} if units else None
-    return stage.map_units(units, stage.ActorStage(
+    return stage.ActorStage(
         HiddenStateExtractor,
         {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source,
          "fence": fence, "skip_ids": skip_ids},
         min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
-        runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]}))  # secrets: at construction (actor.py)
+        runtime_env=stage.runtime_env(config))  # secrets: at construction (actor.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,68 +237,41 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
 
     started = time.monotonic()
     hs = config.hidden_states
-    if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
-        stage.ensure_ray(config)
-        cluster.check_paths_reach_workers(config, {"--output": config.output})
-    shape = target.shape(config.model)
-    num_layers, hidden = shape.num_layers, shape.hidden_size
-    try:
-        layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
-    except ValueError as e:
-        raise ConfigError(f"config: {e}") from None
-    # run.json before the listing: stage 1's status as it was when the completion shards were listed.
-    previous = runs.read_run_json(config.output, config.storage) or {}
-    orphans: list[str] = []
-    units = plan_units(config, orphans=orphans)
-    if previous.get("config", {}).get("model") not in (None, config.model):
-        print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
-              flush=True)
-    ident = _identity(config, layer_ids, num_layers)
-    changed = stage.check_identity(previous, STAGE, ident, allow_drift,
-                                   consequence="mix features made two ways in one output")
-
-    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
-        _forget_stale(config, units, orphans, held.fence)
-        if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
-            print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every completion "
-                  "shard's hidden states with the new settings", flush=True)
-            _remove_outputs(config, units)
-        pending = [u for u in units if not u.done]
-        estimate = estimate_storage(config, units)
-        print(f"hidden states: {len(layer_ids)} layers {layer_ids} x hidden {hidden} x {hs.dtype} = "
-              f"{format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
-              f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
-              f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
-        if hs.layer_ids == EVERY_TRAINER:
-            print(f"hidden states: every trainer's layers: {describe_layers(num_layers)}", flush=True)
-        runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
-                                            "status": "running" if pending else "complete"}, held.fence)
-        extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
-        if pending:
-            print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
-            with stage.failure_recorded(config, STAGE, held.fence):
-                started_ray = stage.ensure_ray(config)
-                try:
-                    summaries = _pipeline(config, pending, layer_ids, "write", held.fence)
-                    total = sum(u.num_rows for u in units)
-                    tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
-                                                label="hidden-states", tokens_key="num_tokens_extracted")
-                    stage.follow(summaries.iter_rows(), tracker, lambda s: _take_summary(s, tracker, this_run),
-                                 USER_ERRORS)
-                finally:
-                    if started_ray:  # as stage 1: the Ray this stage started ends with it
-                        import ray  # heavy: imported on use
-
-                        ray.shutdown()
-        else:
-            print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
-        seconds = time.monotonic() - extract_started
-        summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds, time.monotonic() - started,
-                          held.fence)
-        # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
-        stage1 = previous.get("generate", {})
-        partial = "status" in stage1 and stage1["status"] != "complete"
-        runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"}, held.fence)
+    with stage.RaySession(config) as ray_session:
+        if cluster.joining_cluster():  # before anything is written: the extractors' nodes must see the run directory
+            ray_session.start()
+            cluster.check_paths_reach_workers(config, {"--output": config.output})
+        shape = target.shape(config.model)
+        num_layers, hidden = shape.num_layers, shape.hidden_size
+        try:
+            layer_ids = resolve_layer_ids(hs.layer_ids, num_layers)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+        # run.json before the listing: stage 1's status as it was when the completion shards were listed.
+        previous = runs.read_run_json(config.output, config.storage) or {}
+        orphans: list[str] = []
+        units = plan_units(config, orphans=orphans)
+        if previous.get("config", {}).get("model") not in (None, config.model):
+            print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
+                  flush=True)
+        ident = _identity(config, layer_ids, num_layers)
+        changed = stage.check_identity(previous, STAGE, ident, allow_drift,
+                                       consequence="mix features made two ways in one output")
+        with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
+            _forget_stale(config, units, orphans, held.fence)
+            if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
+                print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every "
+                      "completion shard's hidden states with the new settings", flush=True)
+                _remove_outputs(config, units)
+            estimate = estimate_storage(config, units)
+            _print_estimate(config, estimate, num_layers)
+            this_run, seconds = _extract(config, units, layer_ids, ident, estimate, ray_session, held.fence)
+            summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds,
+                              time.monotonic() - started, held.fence)
+            # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
+            stage1 = previous.get("generate", {})
+            partial = "status" in stage1 and stage1["status"] != "complete"
+            runs.write_run_json(config, STAGE, {"status": "partial" if partial else "complete"}, held.fence)
     if partial:
         written, total = sum(u.num_rows for u in units), stage1.get("input", {}).get("num_rows")
         print(f"note: stage 1 is not finished (status: {stage1['status']}; {written:,} of "
@@ -306,6 +283,53 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
           f"{summary.num_tokens_extracted:,} tokens at {summary.tokens_per_s:,.0f} tokens/s, padding "
           f"{summary.padding_waste:.1%} → {summary.report}", flush=True)
     return summary
+
+
+def _print_estimate(config: RunConfig, estimate: dict, num_layers: int) -> None:
+    hs = config.hidden_states
+    print(f"hidden states: {estimate['num_layers']} layers {estimate['layer_ids']} x hidden {estimate['hidden_size']} "
+          f"x {hs.dtype} = {format_bytes(estimate['bytes_per_token'])}/token; {estimate['num_tokens']:,} tokens in "
+          f"{estimate['num_samples']:,} samples → {format_bytes(estimate['total_bytes'])} in total, "
+          f"{format_bytes(estimate['pending_bytes'])} still to write", flush=True)
+    if hs.layer_ids == EVERY_TRAINER:
+        print(f"hidden states: every trainer's layers: {describe_layers(num_layers)}", flush=True)
+
+
+def _extract(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], ident: dict, estimate: dict,
+             ray_session: stage.RaySession, fence) -> tuple[dict, float]:
+    """The units not done yet, through the extractor actors; (this invocation's counts, its seconds)."""
+    pending = [u for u in units if not u.done]
+    runs.write_run_json(config, STAGE, {"identity": ident, "estimate": estimate,
+                                        "status": "running" if pending else "complete"}, fence)
+    extract_started, this_run = time.monotonic(), {"num_tokens_extracted": 0, "bytes_written": 0}
+    if not pending:
+        print(f"nothing to do: all {len(units)} completion shards already have their hidden states", flush=True)
+        return this_run, time.monotonic() - extract_started
+    print(f"hidden states: {len(pending)} of {len(units)} completion shards to do", flush=True)
+    with stage.failure_recorded(config, STAGE, fence):
+        ray_session.start()
+        total = sum(u.num_rows for u in units)
+        tracker = progress.Progress(total_rows=total, done_rows=total - sum(u.num_rows for u in pending),
+                                    label="hidden-states", tokens_key="num_tokens_extracted")
+        stage.run_units(units, _Markers(config, fence), _extractors(config, pending, layer_ids, "write", fence),
+                        tracker, lambda s: _take_summary(s, tracker, this_run), USER_ERRORS)
+    return this_run, time.monotonic() - extract_started
+
+
+class _Markers:
+    """Stage 2's ledger (stage.UnitLedger): a unit is done when a marker made from its completion shard's current
+    content is listed (`unit.done`, judged by plan_units with scan.marker_matches); it is marked done by writing the
+    marker its extractor's summary carries, under the fence, once the extractor has committed every part."""
+
+    def __init__(self, config: RunConfig, fence):
+        self.config, self.fence = config, fence
+
+    def is_done(self, unit: HiddenStateUnit) -> bool:
+        return unit.done
+
+    def mark_done(self, summary: dict) -> None:
+        storage.write_json(storage.join(_out_dir(self.config), summary["marker_name"]), json.loads(summary["marker"]),
+                           self.config.storage, self.fence.guard)
 
 
 def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
@@ -343,8 +367,12 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
             layers[k] = {"rms": float(np.sqrt(sum(t * e["rms"] ** 2 for t, e in entries) / max(1, n))),
                          "min_sample_rms": min(e["min_sample_rms"] for _, e in entries),
                          "max_sample_rms": max(e["max_sample_rms"] for _, e in entries)}
-    shards = {storage.join(out, name): size  # one listing: sizes come with it
-              for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
+    # The parts that count (scan's rule: those its marker vouches for), sizes from one listing. The units are the
+    # trusted shards, each with its covering marker (plan_units), so this is scan.done_hidden_state_parts without
+    # reading every completion shard's footer again.
+    sizes = {name: size for name, size, _ in storage.list_file_infos(out, layout.SHARD_SUFFIX, config.storage)}
+    shards = {storage.join(out, name): sizes[name] for u, m in zip(units, markers)
+              for name in scan.marker_parts(u.stem, u.row_limit, m) if name in sizes}
     tokens_now = this_run.get("num_tokens_extracted", 0)
     report_uri = storage.join(config.output, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
     summary = HiddenStatesSummary(
@@ -370,7 +398,9 @@ def dataset(config: RunConfig, skip_ids: frozenset[str] = frozenset()):
     full run's within the backend's batching tolerance."""
     num_layers = target.shape(config.model).num_layers
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, num_layers)
-    return _pipeline(config, plan_units(config), layer_ids, "stream", skip_ids=frozenset(skip_ids))
+    stage.ensure_ray(config)  # the caller's Ray (a trainer's) lives on with its dataset: no session ends it here
+    units = plan_units(config)
+    return stage.map_units(units, _extractors(config, units, layer_ids, "stream", skip_ids=frozenset(skip_ids)))
 
 
 def check_run(config: RunConfig, num_samples: int = 8) -> dict:
@@ -385,32 +415,27 @@ def check_run(config: RunConfig, num_samples: int = 8) -> dict:
         raise ConfigError(f"no hidden-state shards under {_out_dir(config)}: nothing to check")
     step = max(1, len(uris) // num_samples)
     chosen = uris[::step][:num_samples]
-    started_ray = stage.ensure_ray(config)
-    try:
+    with stage.RaySession(config).start():
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         task = ray.remote(num_gpus=gpus, num_cpus=1, max_retries=0)(_check_stored)
-        task = task.options(runtime_env={"env_vars": redaction.split_env(config.env_vars)[0]})
+        task = task.options(runtime_env=stage.runtime_env(config))
         with stage.user_errors_surface(USER_ERRORS):
             return ray.get(task.remote(to_dict(config), chosen))
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 def _check_stored(config_dict: dict, uris: list[str]) -> dict:
     """The first sample of each shard in `uris`: stored features against a plain forward of the sample alone."""
     import torch  # heavy: imported on use
 
-    redaction.apply_secret_env(redaction.split_env(config_dict.get("env_vars") or {})[1])  # as the actors do
+    stage.apply_secrets(config_dict)  # as the actors do
     config = from_dict(config_dict)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     samples, stored, layer_ids, dtype, before_norm = [], [], None, None, False
     for uri in uris:
         table = storage.read_shard(uri, config.storage)
-        meta = table.schema.metadata
-        layer_ids, dtype = json.loads(meta[schema.META_LAYER_IDS]), meta[schema.META_DTYPE].decode()
-        before_norm = meta.get(schema.META_LAST_LAYER_NORM, b"").decode() == schema.LAST_BEFORE_NORM
+        meta = scan.hidden_state_meta(table.schema.metadata)
+        layer_ids, dtype, before_norm = meta.layer_ids, meta.dtype, meta.last_before_norm
         record = next(iter_records(table.slice(0, 1)))
         samples.append(Sample(id=record[schema.ID], input_ids=record[schema.INPUT_IDS].numpy(), num_prompt_tokens=0,
                               original_num_tokens=len(record[schema.INPUT_IDS]), row=len(samples)))

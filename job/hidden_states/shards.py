@@ -3,7 +3,6 @@ zero-copy, for the loader."""
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections import deque
@@ -88,10 +87,8 @@ def iter_records(table: pa.Table) -> Iterator[dict]:
     new bfloat16 tensor per sample (a copy: `record_dtype`)."""
     import torch  # heavy: imported on use
 
-    meta = table.schema.metadata
-    layer_ids = json.loads(meta[schema.META_LAYER_IDS])
-    dtype = meta[schema.META_DTYPE].decode()
-    hidden = int(meta[schema.META_HIDDEN_SIZE])
+    meta = scan.hidden_state_meta(table.schema.metadata)
+    layer_ids, dtype, hidden = meta.layer_ids, meta.dtype, meta.hidden_size
     tdtype = torch_dtype(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": a read-only mapping, documented above

@@ -5,8 +5,8 @@
     for part in extractor.run(list(enumerate(plan_parts(samples, 32)))):
         table = part_table(part.samples, part.features, schema)
 
-Layer convention (DESIGN.md): layer k is transformers' `output_hidden_states[k + 1]`, the output of decoder layer
-k. One wrinkle, measured on transformers 5.19 Qwen3: for the LAST decoder layer transformers returns the output
+Layer convention (docs/ARCHITECTURE.md, "One run, every trainer"; job/drafters.py): layer k is transformers'
+`output_hidden_states[k + 1]`, the output of decoder layer k. One wrinkle, measured on transformers 5.19 Qwen3: for the LAST decoder layer transformers returns the output
 *after* the model's final norm (`hidden_states[-1] == norm(layer_out)`), so that is what layer N-1 stores here too.
 vLLM's aux hidden states (`eagle_aux_hidden_state_layer_ids`) count differently: vLLM id j is the residual stream
 after j layers, before any final norm, so our layer k is vLLM id k + 1 and our last layer has no vLLM equivalent.
@@ -36,10 +36,10 @@ from typing import Iterator
 import numpy as np
 
 from job import schema
-from job.config import resolve_layer_ids
+from job.config import ATTENTION_MODES, FUSE_MODES, check_choice, resolve_layer_ids
 from job.hidden_states import fp8
 from job.hidden_states.checks import FeatureStats, check_features
-from job.hidden_states.fusion import FUSIONS, fused_attention_forward, fused_layer_forward, fusion_problem, kernels
+from job.hidden_states.fusion import fused_attention_forward, fused_layer_forward, fusion_problem, kernels
 from job.hidden_states.packing import (
     PACKABLE_LAYERS,
     PACKED_ATTENTION,
@@ -115,33 +115,10 @@ class TransformersExtractor:
         self.min_rms, self.max_rms, self.check = min_rms, max_rms, check
         self.device = self.stack.embed_tokens.weight.device
         self.cuda = self.device.type == "cuda"
-        problem = packing_problem(self.stack)
-        if attention == "auto":  # packing saves padding and takes the varlen flash kernel; only where it is exact
-            attention = "packed" if self.cuda and packed_attention_available() and problem is None else "padded"
-        if attention not in ("padded", "packed"):
-            raise ValueError(f"hidden_states.attention must be auto, packed or padded, got {attention!r}")
-        if attention == "packed" and problem:
-            raise ValueError(f"hidden_states.attention 'packed' is not exact for this model: {problem}. Use "
-                             "'padded' (or 'auto', which packs only models it can keep exact).")
-        self.attention = attention
-        self.packed = attention == "packed"
         self._segments: list[tuple[int, int]] | None = None  # host [start, stop) of each sequence of a packed batch
         self._cu_seqlens = None  # (device int64, host int64) sequence bounds of a packed batch, for varlen GDN kernels
-        if gdn not in ("auto", "varlen", "per_sequence"):
-            raise ValueError(f"gdn must be auto, varlen or per_sequence, got {gdn!r}")
-        if gdn == "auto":
-            gdn = "varlen" if self.packed and self.cuda and varlen_gdn_problem(self.stack) is None else "per_sequence"
-        elif gdn == "varlen" and self.packed and varlen_gdn_problem(self.stack):
-            raise ValueError(f"gdn 'varlen' is not available: {varlen_gdn_problem(self.stack)}")
-        self.gdn = gdn
-        if fuse not in FUSIONS:
-            raise ValueError(f"fuse must be one of {', '.join(FUSIONS)}, got {fuse!r}")
-        problem = fusion_problem(self.stack)
-        if fuse == "auto":
-            fuse = FUSE_AUTO if self.cuda and problem is None and importlib.util.find_spec("fla") else "off"
-        elif fuse != "off" and problem:
-            raise ValueError(f"fuse {fuse!r} is not available for this model: {problem}")
-        self.fuse = fuse
+        self._choose_modes(attention, gdn, fuse)
+        fuse = self.fuse
         self._kernels = None if fuse == "off" else kernels(fuse)
         self._wrapped = []
         if self.packed:
@@ -187,6 +164,34 @@ class TransformersExtractor:
             self.copy_stream = torch.cuda.Stream(self.device)
             per_buffer = batch_tokens * self.value_width  # an FP8 record (L x (H + 4) bytes) is smaller
             self.staging = [torch.empty(per_buffer, dtype=torch.uint8).pin_memory() for _ in range(2)]
+
+    def _choose_modes(self, attention: str, gdn: str, fuse: str) -> None:
+        """`attention`, `gdn` and `fuse` checked (config.py's allowed values, for direct callers too) and resolved
+        for this model and device: 'auto' picks what is exact and available here; an explicit choice that is not
+        is refused, naming why."""
+        check_choice("hidden_states.attention", attention, ATTENTION_MODES)  # config.py's check, for direct callers
+        check_choice("hidden_states.fuse", fuse, (*FUSE_MODES, "reference"))
+        problem = packing_problem(self.stack)
+        if attention == "auto":  # packing saves padding and takes the varlen flash kernel; only where it is exact
+            attention = "packed" if self.cuda and packed_attention_available() and problem is None else "padded"
+        if attention == "packed" and problem:
+            raise ValueError(f"hidden_states.attention 'packed' is not exact for this model: {problem}. Use "
+                             "'padded' (or 'auto', which packs only models it can keep exact).")
+        self.attention = attention
+        self.packed = attention == "packed"
+        if gdn not in ("auto", "varlen", "per_sequence"):
+            raise ValueError(f"gdn must be auto, varlen or per_sequence, got {gdn!r}")
+        if gdn == "auto":
+            gdn = "varlen" if self.packed and self.cuda and varlen_gdn_problem(self.stack) is None else "per_sequence"
+        elif gdn == "varlen" and self.packed and varlen_gdn_problem(self.stack):
+            raise ValueError(f"gdn 'varlen' is not available: {varlen_gdn_problem(self.stack)}")
+        self.gdn = gdn
+        problem = fusion_problem(self.stack)
+        if fuse == "auto":
+            fuse = FUSE_AUTO if self.cuda and problem is None and importlib.util.find_spec("fla") else "off"
+        elif fuse != "off" and problem:
+            raise ValueError(f"fuse {fuse!r} is not available for this model: {problem}")
+        self.fuse = fuse
 
     @property
     def width(self) -> int:

@@ -9,18 +9,17 @@ notebook's cells); the reading is job/scan.py's and job/hidden_states.load's.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import scan, schema, storage, target
-from job.config import resolve_layer_ids
+from job import scan, schema, storage
 from job.formatting import format_bytes
 from job.hidden_states import load
+from job.hidden_states.run import storage_layout
 from job.runview.notebook import fetch_rows, run_overview
-from job.schema import BYTES_PER_TOKEN_EXTRA, hidden_state_bytes_per_token
+from job.schema import BYTES_PER_TOKEN_EXTRA
 from job.storage import StorageConfig
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -37,12 +36,9 @@ def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = Non
     shards = hidden_state_shards(run_uri, storage_config)
     if not shards:
         return None
-    meta = storage.read_shard_schema(shards[0], storage_config).metadata
-    layer_ids = json.loads(meta[schema.META_LAYER_IDS])
-    dtype, hidden = meta[schema.META_DTYPE].decode(), int(meta[schema.META_HIDDEN_SIZE])
-    return {"model": meta[schema.META_MODEL].decode(), "layer_ids": layer_ids, "dtype": dtype, "hidden_size": hidden,
-            "layer_convention": meta[schema.META_LAYER_CONVENTION].decode(), "num_shards": len(shards),
-            "bytes_per_token": hidden_state_bytes_per_token(len(layer_ids), hidden, dtype)}
+    m = scan.hidden_state_meta(storage.read_shard_schema(shards[0], storage_config).metadata)
+    return {"model": m.model, "layer_ids": m.layer_ids, "dtype": m.dtype, "hidden_size": m.hidden_size,
+            "layer_convention": m.layer_convention, "num_shards": len(shards), "bytes_per_token": m.bytes_per_token}
 
 
 def summarize_hidden_states(run_uri: str, max_samples: int = 64, num_traces: int = 2,
@@ -197,12 +193,7 @@ def storage_projection(run_uri: str, rows: pa.Table, layout: dict | None = None,
         layout = hidden_state_layout(run_uri, storage_config)
     if layout is None and ov["model"]:
         try:
-            shape = target.shape(ov["model"])
-            num_layers, hidden = shape.num_layers, shape.hidden_size
-            layer_ids = resolve_layer_ids(hs_config.get("layer_ids", []), num_layers)
-            dtype = hs_config.get("dtype", "bfloat16")
-            layout = {"layer_ids": layer_ids, "hidden_size": hidden, "dtype": dtype,
-                      "bytes_per_token": hidden_state_bytes_per_token(len(layer_ids), hidden, dtype)}
+            layout = storage_layout(ov["model"], hs_config.get("layer_ids", []), hs_config.get("dtype", "bfloat16"))
         except Exception:  # the model's config.json is not readable from here
             layout = None
     rows_done, rows_total = rows.num_rows, ov["rows_total"] or rows.num_rows

@@ -29,10 +29,9 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from job import layout, scan, schema, storage
+from job import scan, schema, storage
 from job.generate import prompts
 from job.generate.report import error_kind
-from job.runs import read_run_json
 from job.storage import StorageConfig
 
 SHARD = "shard"
@@ -73,10 +72,8 @@ def resolve_run_dir(run_dir: str, repo_root: str | None = None) -> str:
 
 def run_overview(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
     """run.json, condensed: model, sampling, stage statuses, versions, git sha, and the full config."""
-    run = read_run_json(run_uri, storage_config)
-    if run is None:
-        raise ValueError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory. Set RUN_DIR to the "
-                         "--output of a `python -m job generate` run (local path or s3:// URI).")
+    run = scan.require_run(run_uri, storage_config, hint="Set RUN_DIR to the --output of a `python -m job "
+                                                         "generate` run (local path or s3:// URI)")
     config, gen = run.get("config", {}), run.get("generate", {})
     hs = run.get("hidden_states", {})  # stage 2's section of run.json
     return {
@@ -123,11 +120,23 @@ def format_overview(ov: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+DAMAGED_SHARDS_NOTE = ("left out here (`python -m job status` names them too); the next `generate` on this output "
+                       "moves them aside to quarantine/ and generates their rows again")
+
+
 def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
-              num_threads: int = 16) -> pa.Table:
-    """The small columns of every completion shard (default ROW_COLUMNS), plus `shard`: its URI."""
-    return scan.read_columns(run_uri, columns or ROW_COLUMNS, storage_config, shard_column=SHARD,
-                             num_threads=num_threads)
+              num_threads: int = 16, unreadable: dict[str, str] | None = None) -> pa.Table:
+    """The small columns of every trusted completion shard (default ROW_COLUMNS), plus `shard`: its URI. A shard
+    that cannot be trusted (truncated, zero bytes: scan.trusted_completion_shards, the rule `status` and both stages
+    follow) is left out, and one line printed names it; `unreadable` receives {name: problem}."""
+    problems: dict[str, str] = {}
+    rows = scan.read_columns(run_uri, columns or ROW_COLUMNS, storage_config, shard_column=SHARD,
+                             unreadable=problems, num_threads=num_threads)
+    if problems:
+        print(scan.unreadable_line(problems, DAMAGED_SHARDS_NOTE), flush=True)
+    if unreadable is not None:
+        unreadable.update(problems)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------

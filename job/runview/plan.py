@@ -47,9 +47,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from job import layout
+from job import scan
+from job.config import ConfigError
 from job.formatting import format_bytes
-from job.runs import read_run_json
 from job.schema import FP8_SCALE_BYTES
 from job.runview.status import measure_rate, scan_completions
 from job.storage import StorageConfig
@@ -72,7 +72,7 @@ DEFAULT_USD_PER_GB_MONTH = 0.023
 DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 12_318
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """Missing or impossible inputs; the message names the flag to pass."""
 
 
@@ -234,9 +234,7 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     """What a run measured: tokens per prompt, bytes per token, tokens/s per GPU (None if it cannot be known)."""
 
     storage_config = storage_config or StorageConfig()
-    run = read_run_json(run_uri, storage_config)
-    if run is None:
-        raise PlanError(f"--from {run_uri}: no {layout.RUN_JSON} there, so it is not a run directory")
+    run = scan.require_run(run_uri, storage_config, hint="`plan --from` takes the --output of a `generate` run")
     shards = scan_completions(run_uri, storage_config)
     rows = sum(s.num_rows for s in shards)
     if rows == 0:

@@ -21,9 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow.compute as pc
 
-from job import layout, scan, schema, storage
+from job import rowranges, scan, schema
 from job.formatting import format_bytes, format_duration
-from job.runs import read_run_json
 from job.storage import StorageConfig
 
 # Columns a shard scan reads; everything else (token lists, texts, carried columns) stays on disk.
@@ -37,40 +36,37 @@ MIN_GAP_S = 900.0
 
 @dataclass
 class ShardStat:
-    """One completion shard, from its name, its file info and its small columns."""
+    """One trusted completion shard (its name, rows, size and time: `shard`) with the counts of its small columns."""
 
-    name: str
-    file_index: int
-    start: int
-    stop: int
-    mtime: float
-    size: int
+    shard: scan.CompletionShard
     num_rows: int = 0
     num_errors: int = 0
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
     flags: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def name(self) -> str:
+        return self.shard.name
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    @property
+    def mtime(self) -> float:
+        return self.shard.mtime
+
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
-                     num_threads: int = 32, unreadable: dict[str, str] | None = None,
-                     checks: dict[str, scan.ShardCheck] | None = None) -> list[ShardStat]:
-    """Every completion shard of a run that can be read whole, with its counts, sorted by modification time. Each
-    shard's footer is checked first (scan.check_completion_shards): one that cannot be read whole (truncated, zero
-    bytes, wrong schema) is left out and named in `unreadable` ({name: problem}); `checks` receives every check."""
+                     num_threads: int = 32, found: scan.CompletionShards | None = None) -> list[ShardStat]:
+    """Every trusted completion shard of a run (scan.trusted_completion_shards, or `found`: its answer already
+    taken) with its counts, sorted by modification time. The untrusted ones are the caller's to name."""
     storage_config = storage_config or StorageConfig()
-    listed = scan.list_completion_shards(run_uri, storage_config)
-    found = scan.check_completion_shards(listed, storage_config)
-    problems = scan.unreadable(found)
-    if unreadable is not None:
-        unreadable.update(problems)
-    if checks is not None:
-        checks.update(found)
-    listed = [s for s in listed if s.name not in problems]
-    stats = [ShardStat(name=s.name, file_index=s.file_index, start=s.start, stop=s.stop, mtime=s.mtime, size=s.size,
-                       num_rows=s.stop - s.start) for s in listed]
+    found = found or scan.trusted_completion_shards(run_uri, storage_config)
+    stats = [ShardStat(shard=s, num_rows=s.stop - s.start) for s in found.trusted]
     if read_columns and stats:
-        tables = scan.read_shard_tables([s.uri for s in listed], list(_SCAN_COLUMNS), storage_config, num_threads)
+        tables = scan.read_shard_tables([s.shard.uri for s in stats], list(_SCAN_COLUMNS), storage_config, num_threads)
         for stat, t in zip(stats, tables):
             stat.num_rows = t.num_rows
             if schema.ERROR in t.column_names:
@@ -122,7 +118,7 @@ def measure_rate(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> Rate 
         if len(seg) < 2:
             continue
         seconds += seg[-1].mtime - seg[0].mtime
-        rows += sum(s.stop - s.start for s in seg[1:])  # input rows (a conversation may give several outputs)
+        rows += sum(s.shard.stop - s.shard.start for s in seg[1:])  # input rows (a conversation may give several outputs)
         tokens += sum(s.num_output_tokens for s in seg[1:])
     if seconds <= 0:
         return None
@@ -134,59 +130,37 @@ def measure_rate(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> Rate 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _ranges(shards: list[ShardStat]) -> dict[int, list[tuple[int, int]]]:
+    return rowranges.by_file((s.shard.file_index, s.shard.start, s.shard.stop) for s in shards)
+
+
 def _holes(shards: list[ShardStat]) -> list[tuple[int, int, int]]:
-    """(file_index, start, stop) row ranges missing *between* done shards of one file: units in flight in a
-    running job, or work lost with a dead one. Rows after a file's last done shard are not listed (the run
-    directory does not know file lengths)."""
-    by_file: dict[int, list[tuple[int, int]]] = {}
-    for s in shards:
-        by_file.setdefault(s.file_index, []).append((s.start, s.stop))
-    holes = []
-    for f, ranges in sorted(by_file.items()):
-        pos = 0
-        for start, stop in sorted(ranges):
-            if start > pos:
-                holes.append((f, pos, start))
-            pos = max(pos, stop)
-    return holes
+    """(file_index, start, stop) row ranges missing *between* done shards of one file (rowranges.holes)."""
+    return [(f, a, b) for f, ranges in sorted(_ranges(shards).items()) for a, b in rowranges.holes(ranges)]
 
 
 def _covered_rows(shards: list[ShardStat]) -> int:
-    """Rows covered by shard names, overlaps counted once."""
-    total = 0
-    by_file: dict[int, list[tuple[int, int]]] = {}
-    for s in shards:
-        by_file.setdefault(s.file_index, []).append((s.start, s.stop))
-    for ranges in by_file.values():
-        pos = -1
-        for start, stop in sorted(ranges):
-            start = max(start, pos)
-            if stop > start:
-                total += stop - start
-            pos = max(pos, stop)
-    return total
+    """Rows covered by shard names, overlaps counted once (rowranges.covered_rows, as stage 1's resume counts)."""
+    return sum(rowranges.covered_rows(ranges) for ranges in _ranges(shards).values())
 
 
 def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage_config: StorageConfig,
-                       checks: dict[str, scan.ShardCheck], *, read_markers: bool = True) -> dict | None:
+                       found: scan.CompletionShards, *, read_markers: bool = True) -> dict | None:
     """Stage 2's progress against the completion shards written so far; None before stage 2 first ran.
 
     Stage 2 turns each completion shard into parts `hidden_states/<stem>[-n<limit>]-p<k>.arrow` and, after its
     last part, a marker `hidden_states/_done/<stem>[-n<limit>].json` (`<stem>`: the shard's name, `/` → `__`).
     A shard's rows are done when a full marker made from its current content exists (scan.marker_matches, the rule
     stage 2 itself follows); a `--limit` run's marker covers its first <limit> rows. Markers of a shard regenerated
-    since are counted as stale."""
-    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    listed = [scan.CompletionShard(name=s.name, uri=storage.join(completions_dir, s.name), file_index=s.file_index,
-                                   start=s.start, stop=s.stop, size=s.size, mtime=s.mtime) for s in shards]
-    markers = scan.stage2_markers(run_uri, listed, checks, storage_config)
+    since are counted as stale. Parts and bytes are those of done units (scan.done_parts, the one byte rule)."""
+    markers = scan.stage2_markers(run_uri, found.listed, found.checks, storage_config)  # as stage 2 judges them
     files = markers.files
     if not files and not run.get("hidden_states"):
         return None
-    parts = [(n, size) for n, size, _ in files if n.endswith(layout.SHARD_SUFFIX) and "/" not in n]
+    parts = scan.done_parts(markers, found.trusted, run_uri)
     rows_done, used = 0, []
-    for shard in shards:
-        rows, _, marker = markers.covered(shard.name, shard.num_rows)
+    for stat in shards:
+        rows, _, marker = markers.covered(stat.shard.name, stat.num_rows)
         if marker is not None:
             rows_done += rows
             used.append(marker)
@@ -216,16 +190,12 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
 
     storage_config = storage_config or StorageConfig()
     now = time.time() if now is None else now
-    run = read_run_json(run_uri, storage_config)
-    if run is None:
-        raise ValueError(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: "
-                         "`generate` writes it before the first shard)")
+    run = scan.require_run(run_uri, storage_config)
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")
     rows_per_shard = run.get("config", {}).get("generate", {}).get("rows_per_shard")
-    problems: dict[str, str] = {}
-    checks: dict[str, scan.ShardCheck] = {}
-    shards = scan_completions(run_uri, storage_config, read_columns=read_columns, unreadable=problems, checks=checks)
+    found = scan.trusted_completion_shards(run_uri, storage_config)
+    shards = scan_completions(run_uri, storage_config, read_columns=read_columns, found=found)
 
     done = _covered_rows(shards)
     rows_read = sum(s.num_rows for s in shards)
@@ -248,7 +218,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     elif remaining and rate_for_eta and rate_for_eta.rows_per_s > 0:
         eta_s = remaining / rate_for_eta.rows_per_s
 
-    stage2 = scan_hidden_states(run_uri, run, shards, storage_config, checks, read_markers=read_columns)
+    stage2 = scan_hidden_states(run_uri, run, shards, storage_config, found, read_markers=read_columns)
 
     return {
         "run": run_uri,
@@ -277,7 +247,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
         "eta_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(now + eta_s)) if eta_s else None,
         "last_shard_age_s": now - last_mtime if last_mtime else None,
         "holes": [{"file_index": f, "start": a, "stop": b} for f, a, b in _holes(shards)],
-        "unreadable_shards": problems,
+        "unreadable_shards": found.problems,
         "hidden_states": stage2,
     }
 
