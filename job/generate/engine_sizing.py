@@ -6,6 +6,7 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
 
     pool          = device memory x gpu_memory_utilization - weights - reserve          (CPU: VLLM_CPU_KVCACHE_SPACE)
     per sequence  = state slots x a Gated DeltaNet state per layer + its tokens' KV, in vLLM's blocks (SequenceCost)
+                    + its sampler rows and CUDA graphs outside the cache (GPU: row_bytes)
     max_num_seqs  = pool // per sequence (every sequence that fits; no rounding)
 
 - State slots: 1 per sequence; + num_speculative_tokens with MTP (vLLM keeps a state per draft position to roll
@@ -17,12 +18,14 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
   while most thinking-mode completions are a few thousand tokens; a sequence that outgrows its share borrows from
   shorter ones, and when the pool is full vLLM preempts (recomputes) the newest.
 - Reserve: what vLLM's start-up profile takes besides weights and cache: the activations of ONE
-  max_num_batched_tokens prefill (vLLM profiles one forward), the sampler's float32 logits for its dummy batch, and
-  1.6 GiB for the CUDA context, NCCL and CUDA graphs. Fitted to vLLM 0.26's own figures on the 27B hybrid shape with
-  MTP (issue 49): it left 3.6 GiB besides weights and cache on an H100 (73.2 - 51.0 - 18.6) and 4.3 on an H200
-  (129.2 - 51.0 - 73.8); the sums say 3.8. The first version counted the activations and 3 x 512 rows of logits
-  twice over plus 2 GiB (8.2 GiB), and rounded down to a multiple of 8: on an H100 it chose 8 where vLLM's pool
-  held 17 sequences of 8,192 tokens (280 against 503 tok/s at 16), on an H200 64 where 71 fit.
+  max_num_batched_tokens prefill (vLLM profiles one forward) and 1.9 GiB (CUDA context, NCCL, the rest), plus per
+  sequence of max_num_seqs its sampler rows (1 + num_speculative_tokens, float32 over the vocabulary) and graphs.
+  Fitted to vLLM 0.26 on the 27B hybrid shape with MTP on an H100 (issue 49, docs/BENCHMARKS.md): its pool was
+  18.6 GiB at max_num_seqs 8, 18.55 at 17 (stage 1's engine), 17.8 at 34, 17.64 at 44; the sums say 18.3, 17.9 and
+  17.6 at 17, 34, 44 (they err low by up to 0.25 GiB). On an H200 (issue 34) vLLM had 73.84 GiB at 64, the sums
+  72.9. The first version counted the activations and 3 x 512 rows of logits twice over plus 2 GiB (8.2 GiB), and
+  rounded down to a multiple of 8: on an H100 it chose 8 where vLLM's pool held 17 sequences of 8,192 tokens (280
+  against 553 tok/s at 17), on an H200 64 where 71 fit. Now: 17 and 70.
 
 Why no rounding: vLLM pads a decode batch up to its next CUDA-graph capture size (multiples of 8 tokens, and a
 sequence is 1 + num_speculative_tokens tokens a step), so 17 sequences cost one step of 51 -> 56 tokens, no more
@@ -47,10 +50,14 @@ AUTO = "auto"
 GIB = 1024 ** 3
 MIN_SEQS = 1
 MAX_SEQS = 1024   # vLLM's own default ceiling for large GPUs; beyond it the sampler's per-step logits dominate
-# CUDA context, NCCL and CUDA graphs, besides the profile's activations and logits: fitted to vLLM 0.26 on the 27B
-# hybrid shape with MTP (module docstring): the whole reserve came to 3.6 GiB on an H100, 4.3 on an H200.
-FIXED_RESERVE = int(1.6 * GIB)
-SAMPLER_ROWS = 256  # vLLM's dummy sampler batch is max_num_seqs rows (unknown here): a 256-row batch's logits
+# CUDA context, NCCL and the rest of vLLM's profile besides one prefill's activations: fitted to vLLM 0.26 on the 27B
+# hybrid shape with MTP on an H100 (module docstring).
+FIXED_RESERVE = int(1.9 * GIB)
+# What each sequence of max_num_seqs costs outside the cache: the sampler's rows (1 + num_speculative_tokens a
+# sequence) of float32 logits, probabilities, sort keys and indices over the vocabulary, and its CUDA graphs. vLLM's
+# pool on an H100 fell from 18.6 GiB at max_num_seqs 8 to 17.8 at 34 and 17.64 at 44 (issue 49): 9.1 MiB a row of a
+# 248,320-token vocabulary, ~38 B an entry; 40 here.
+ROW_BYTES_PER_VOCAB = 40
 # Tokens: vLLM makes a hybrid model's attention blocks a multiple of its attention kernels' alignment. On an H200
 # (vLLM 0.26) the 27B target's blocks were 800 tokens with MTP (issue 34) and 784 without (issue 13): 32 covers both
 # (784 counted as 800 is 2 % more KV than needed, on the safe side). The CPU build: 128 (the tiny hybrid's are 256).
@@ -175,16 +182,19 @@ def weight_bytes(model: str, engine_kwargs: dict) -> int:
 
 
 def reserve_bytes(model_config: dict, engine_kwargs: dict) -> int:
-    """vLLM's start-up profile besides weights and cache (module docstring): one max_num_batched_tokens prefill's
-    activations (the MLP's gate/up output and its product, and four hidden-size buffers, bf16), the sampler's float32
-    logits for SAMPLER_ROWS rows, twice (logits and probabilities), and FIXED_RESERVE. The 27B with MTP: 1.69 +
-    0.47 + 1.6 = 3.76 GiB (vLLM took 3.6 on an H100, 4.3 on an H200)."""
+    """vLLM's start-up profile besides weights, cache and what each sequence adds (row_bytes): one
+    max_num_batched_tokens prefill's activations (the MLP's gate/up output and its product, and four hidden-size
+    buffers, bf16; vLLM profiles one forward) and FIXED_RESERVE. The 27B: 1.69 + 1.9 = 3.59 GiB."""
     text = target.text_config(model_config)
     tokens = int(engine_kwargs.get("max_num_batched_tokens") or 8192)
     hidden, inner = int(text["hidden_size"]), int(text.get("intermediate_size") or 4 * text["hidden_size"])
-    activations = tokens * (2 * inner + 4 * hidden) * 2
-    logits = 2 * SAMPLER_ROWS * int(text["vocab_size"]) * 4
-    return activations + logits + FIXED_RESERVE
+    return tokens * (2 * inner + 4 * hidden) * 2 + FIXED_RESERVE
+
+
+def row_bytes(model_config: dict, engine_kwargs: dict) -> int:
+    """What one more sequence in max_num_seqs takes from the pool outside its cache (ROW_BYTES_PER_VOCAB): the 27B
+    with MTP 2, 3 rows x 248,320 x 40 B = 28.4 MiB."""
+    return (1 + mtp_tokens(engine_kwargs)) * int(target.text_config(model_config)["vocab_size"]) * ROW_BYTES_PER_VOCAB
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,8 @@ class Sizing:
 
 
 def gpu_pool(device: tuple[str, int], model_config: dict, engine_kwargs: dict, weights: int) -> tuple[int, str]:
-    """A GPU's cache pool by the sums: tensor_parallel_size x (total x gpu_memory_utilization - reserve) - weights."""
+    """A GPU's cache pool by the sums before what each sequence adds outside its cache (row_bytes, taken in
+    choose): tensor_parallel_size x (total x gpu_memory_utilization - reserve) - weights."""
     name, total = device
     tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
     utilization = float(engine_kwargs.get("gpu_memory_utilization") or 0.9)
@@ -246,16 +257,21 @@ def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
     cost = sequence_cost(model_config, engine_kwargs, sizing_tokens(kv_tokens_per_seq, max_model_len, longest_seq),
                          BLOCK_ALIGN["cuda" if on_gpu else "cpu"])
     pool, pool_why = device_pool(model, model_config, engine_kwargs, device)
-    return choose(pool, cost, pool_why)
+    return choose(pool, cost, pool_why, row_bytes(model_config, engine_kwargs) if on_gpu else 0)
 
 
-def choose(pool: int, cost: SequenceCost, pool_why: str) -> Sizing:
-    """The number of `cost`'s sequences a pool of `pool` bytes holds, within MIN_SEQS..MAX_SEQS, and the log line."""
-    fits = max(0, pool) // cost.bytes()
+def choose(pool: int, cost: SequenceCost, pool_why: str, per_seq_extra: int = 0) -> Sizing:
+    """The number n of `cost`'s sequences a pool of `pool` bytes holds once each of them has also taken
+    `per_seq_extra` (row_bytes) outside the cache: n x (cost + extra) <= pool, within MIN_SEQS..MAX_SEQS. The pool
+    recorded is what vLLM should allocate at that n."""
+    fits = max(0, pool) // (cost.bytes() + per_seq_extra)
     chosen = max(MIN_SEQS, min(MAX_SEQS, fits))
-    why = (f"engine_kwargs.max_num_seqs auto = {chosen}: pool {pool_why}; {cost.describe()}; {fits} fit"
+    left = pool - chosen * per_seq_extra
+    extra = (f" - {chosen} x {per_seq_extra / 2 ** 20:.1f} MiB sampler rows and graphs = {left / GIB:.1f} GiB"
+             if per_seq_extra else "")
+    why = (f"engine_kwargs.max_num_seqs auto = {chosen}: pool {pool_why}{extra}; {cost.describe()}; {fits} fit"
            + (f", kept within {MIN_SEQS}..{MAX_SEQS}" if chosen != fits else ""))
-    return Sizing(max_num_seqs=chosen, pool_bytes=pool, cost=cost, why=why)
+    return Sizing(max_num_seqs=chosen, pool_bytes=left, cost=cost, why=why)
 
 
 _AVAILABLE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
