@@ -5,6 +5,9 @@
 # tokenizer only, built here by `python bench/dummy_model.py`). Logs and JSON go to $OUT.
 #   bash bench/gpu_issue49.sh sweep    # the same command line twice: the first call on a machine compiles, the
 #                                      # second starts from the compile cache and is the one to read
+# From a helper's worktree (the device tool sends the session's checkout, not the worktree): issue 49 linked the
+# worktree into it (`ln -s /work/wt/i49 /work/main/.cache/i49`), carried `.cache/i49/{bench,job,.cache/dummy-hybrid-27b}`
+# and the wheel parts through the link, and ran `cd .cache/i49 && bash bench/gpu_issue49.sh sweep`.
 # Levels: the first version's choice (old), 8, 16, auto at 8,192 tokens a sequence (the config's kv_tokens_per_seq),
 # auto at the run's mix (--kv-mix 512: ~60-token prompts + max_tokens 256), and 0.5, 0.75, 1.25 x that.
 set -u
