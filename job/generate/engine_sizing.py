@@ -22,7 +22,7 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
   sequence of max_num_seqs its sampler rows (1 + num_speculative_tokens, float32 over the vocabulary) and graphs.
   Fitted to vLLM 0.26 on the 27B hybrid shape with MTP on an H100 (issue 49, docs/BENCHMARKS.md): its pool was
   18.6 GiB at max_num_seqs 8, 18.55 at 17 (stage 1's engine), 17.8 at 34, 17.64 at 44; the sums say 18.3, 17.9 and
-  17.6 at 17, 34, 44 (they err low by up to 0.25 GiB). On an H200 (issue 34) vLLM had 73.84 GiB at 64, the sums
+  17.6 at 17, 34, 44 (within 0.25 GiB, low but at 34). On an H200 (issue 34) vLLM had 73.84 GiB at 64, the sums
   72.9. The first version counted the activations and 3 x 512 rows of logits twice over plus 2 GiB (8.2 GiB), and
   rounded down to a multiple of 8: on an H100 it chose 8 where vLLM's pool held 17 sequences of 8,192 tokens (280
   against 553 tok/s at 17), on an H200 64 where 71 fit. Now: 17 and 70.
