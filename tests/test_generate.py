@@ -65,7 +65,7 @@ def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid
         return
     # `auto` on the CPU build: VLLM_CPU_KVCACHE_SPACE 2 GiB, 1,024-token sequences (max_model_len), 3 state slots
     # (MTP's 2 drafts + 1). The sums lay the cache out as vLLM does; the pool vLLM allocated (its block count) must
-    # agree: the chosen value fits it, and is the largest multiple of 8 that does.
+    # agree: the chosen value fits it (every sequence that fits: no rounding since issue 49).
     sizing = run["generate"]["max_num_seqs_auto"]["cpu"]
     chosen, holds = sizing["max_num_seqs"], sizing["vllm_pool_holds"]
     assert run["generate"]["max_num_seqs"] == {"cpu": chosen}

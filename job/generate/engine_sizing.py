@@ -6,24 +6,36 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
 
     pool          = device memory x gpu_memory_utilization - weights - reserve          (CPU: VLLM_CPU_KVCACHE_SPACE)
     per sequence  = state slots x a Gated DeltaNet state per layer + its tokens' KV, in vLLM's blocks (SequenceCost)
-    max_num_seqs  = pool / per sequence, rounded down to a multiple of 8
+                    + its sampler rows and CUDA graphs outside the cache (GPU: row_bytes)
+    max_num_seqs  = pool // per sequence (every sequence that fits; no rounding)
 
 - State slots: 1 per sequence; + num_speculative_tokens with MTP (vLLM keeps a state per draft position to roll
   back to); + 1 with prefix caching on a hybrid model ("align" mode keeps the last block's state). The 27B target:
   48 GDN layers x (conv 10,240 x 3 x 2 B + recurrent 48 x 128 x 128 x 4 B) = 146.8 MiB a slot.
-- Tokens: `generate.kv_tokens_per_seq` (prompt + completion) per sequence, at most max_model_len. Sizing for
-  max_model_len itself (40,960 on the real run) would leave an H200 at ~20 sequences while most thinking-mode
-  completions are a few thousand tokens; a sequence that outgrows its share borrows from shorter ones, and when the
-  pool is full vLLM preempts (recomputes) the newest.
-- Reserve: what vLLM's start-up profile takes besides weights and cache: the activations of one
-  max_num_batched_tokens prefill and the sampler's logits, twice over, plus 2 GiB for CUDA graphs and the CUDA
-  context. An estimate: the check after start says how it compared.
+- Tokens: the run's length mix, `generate.kv_tokens_per_seq` (prompt + completion) per sequence, at most
+  max_model_len, and at most the longest a sequence of the run can be (its prompt + `sampling.max_tokens`) when the
+  caller knows it. Sizing for max_model_len itself (40,960 on the real run) would leave an H200 at ~20 sequences
+  while most thinking-mode completions are a few thousand tokens; a sequence that outgrows its share borrows from
+  shorter ones, and when the pool is full vLLM preempts (recomputes) the newest.
+- Reserve: what vLLM's start-up profile takes besides weights and cache: the activations of ONE
+  max_num_batched_tokens prefill (vLLM profiles one forward) and 1.9 GiB (CUDA context, NCCL, the rest), plus per
+  sequence of max_num_seqs its sampler rows (1 + num_speculative_tokens, float32 over the vocabulary) and graphs.
+  Fitted to vLLM 0.26 on the 27B hybrid shape with MTP on an H100 (issue 49, docs/BENCHMARKS.md): its pool was
+  18.6 GiB at max_num_seqs 8, 18.55 at 17 (stage 1's engine), 17.8 at 34, 17.64 at 44; the sums say 18.3, 17.9 and
+  17.6 at 17, 34, 44 (within 0.25 GiB, low but at 34). On an H200 (issue 34) vLLM had 73.84 GiB at 64, the sums
+  72.9. The first version counted the activations and 3 x 512 rows of logits twice over plus 2 GiB (8.2 GiB), and
+  rounded down to a multiple of 8: on an H100 it chose 8 where vLLM's pool held 17 sequences of 8,192 tokens (280
+  against 553 tok/s at 17), on an H200 64 where 71 fit. Now: 17 and 70.
 
-The device's total memory (not what is free) makes the value the same for every engine on the same GPU type, so a
-replaced engine hits the compile cache its predecessor wrote. The check after start takes the pool vLLM allocated (the
-block count its engine reports to the client) and says how many of these sequences it holds, with vLLM's own log
-figures where it printed them; a pool smaller than the sums assumed is a warning, not an error (vLLM preempts).
-Measured on an H200 (docs/BENCHMARKS.md, issue 34): the sums gave 64 with MTP, vLLM's pool held 71.
+Why no rounding: vLLM pads a decode batch up to its next CUDA-graph capture size (multiples of 8 tokens, and a
+sequence is 1 + num_speculative_tokens tokens a step), so 17 sequences cost one step of 51 -> 56 tokens, no more
+than 18 would; rounding 17 down to 16 gives away 6 % of the batch, and 13 down to 8 gave away 40 %. The value is
+still the same for every engine on one GPU type: the device's total memory (not what is free) goes in, so a replaced
+engine hits the compile cache its predecessor wrote.
+
+The check after start takes the pool vLLM allocated (the block count its engine reports to the client) and says how
+many of these sequences it holds, with vLLM's own log figures where it printed them; a pool smaller than the sums
+assumed is a warning naming the value to pin, not an error (vLLM preempts).
 """
 
 from __future__ import annotations
@@ -36,10 +48,16 @@ from job import target
 
 AUTO = "auto"
 GIB = 1024 ** 3
-ROUND_TO = 8      # a multiple of 8: CUDA graph batch sizes, and one value per GPU type whatever the last MiB says
-MIN_SEQS = 8
+MIN_SEQS = 1
 MAX_SEQS = 1024   # vLLM's own default ceiling for large GPUs; beyond it the sampler's per-step logits dominate
-FIXED_RESERVE = 2 * GIB
+# CUDA context, NCCL and the rest of vLLM's profile besides one prefill's activations: fitted to vLLM 0.26 on the 27B
+# hybrid shape with MTP on an H100 (module docstring).
+FIXED_RESERVE = int(1.9 * GIB)
+# What each sequence of max_num_seqs costs outside the cache: the sampler's rows (1 + num_speculative_tokens a
+# sequence) of float32 logits, probabilities, sort keys and indices over the vocabulary, and its CUDA graphs. vLLM's
+# pool on an H100 fell from 18.6 GiB at max_num_seqs 8 to 17.8 at 34 and 17.64 at 44 (issue 49): 9.1 MiB a row of a
+# 248,320-token vocabulary, ~38 B an entry; 40 here.
+ROW_BYTES_PER_VOCAB = 40
 # Tokens: vLLM makes a hybrid model's attention blocks a multiple of its attention kernels' alignment. On an H200
 # (vLLM 0.26) the 27B target's blocks were 800 tokens with MTP (issue 34) and 784 without (issue 13): 32 covers both
 # (784 counted as 800 is 2 % more KV than needed, on the safe side). The CPU build: 128 (the tiny hybrid's are 256).
@@ -164,13 +182,19 @@ def weight_bytes(model: str, engine_kwargs: dict) -> int:
 
 
 def reserve_bytes(model_config: dict, engine_kwargs: dict) -> int:
-    """vLLM's start-up profile besides weights and cache, estimated (module docstring)."""
+    """vLLM's start-up profile besides weights, cache and what each sequence adds (row_bytes): one
+    max_num_batched_tokens prefill's activations (the MLP's gate/up output and its product, and four hidden-size
+    buffers, bf16; vLLM profiles one forward) and FIXED_RESERVE. The 27B: 1.69 + 1.9 = 3.59 GiB."""
     text = target.text_config(model_config)
     tokens = int(engine_kwargs.get("max_num_batched_tokens") or 8192)
     hidden, inner = int(text["hidden_size"]), int(text.get("intermediate_size") or 4 * text["hidden_size"])
-    activations = tokens * (2 * inner + 4 * hidden) * 2
-    logits = 3 * 512 * int(text["vocab_size"]) * 4  # the sampler's float32 logits for a full batch, ~3 copies
-    return 2 * (activations + logits) + FIXED_RESERVE
+    return tokens * (2 * inner + 4 * hidden) * 2 + FIXED_RESERVE
+
+
+def row_bytes(model_config: dict, engine_kwargs: dict) -> int:
+    """What one more sequence in max_num_seqs takes from the pool outside its cache (ROW_BYTES_PER_VOCAB): the 27B
+    with MTP 2, 3 rows x 248,320 x 40 B = 28.4 MiB."""
+    return (1 + mtp_tokens(engine_kwargs)) * int(target.text_config(model_config)["vocab_size"]) * ROW_BYTES_PER_VOCAB
 
 
 @dataclass(frozen=True)
@@ -179,6 +203,18 @@ class Sizing:
     pool_bytes: int
     cost: SequenceCost
     why: str  # the sums, for the log
+
+
+def gpu_pool(device: tuple[str, int], model_config: dict, engine_kwargs: dict, weights: int) -> tuple[int, str]:
+    """A GPU's cache pool by the sums before what each sequence adds outside its cache (row_bytes, taken in
+    choose): tensor_parallel_size x (total x gpu_memory_utilization - reserve) - weights."""
+    name, total = device
+    tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
+    utilization = float(engine_kwargs.get("gpu_memory_utilization") or 0.9)
+    reserve = reserve_bytes(model_config, engine_kwargs)
+    pool = int(tp * (total * utilization - reserve) - weights)
+    return pool, (f"{tp} x {name} {total / GIB:.1f} GiB x {utilization} - weights {weights / GIB:.1f} GiB - "
+                  f"reserve {tp} x {reserve / GIB:.1f} GiB = {pool / GIB:.1f} GiB")
 
 
 def device_pool(model: str, model_config: dict, engine_kwargs: dict, device: tuple[str, int] | None = None
@@ -190,14 +226,9 @@ def device_pool(model: str, model_config: dict, engine_kwargs: dict, device: tup
     work it out for another GPU type (docs, tests)."""
     from vllm.platforms import current_platform  # heavy: imported on use
 
-    tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
     if device is not None or current_platform.is_cuda_alike():
-        name, total = device or (current_platform.get_device_name(0), current_platform.get_device_total_memory(0))
-        utilization = float(engine_kwargs.get("gpu_memory_utilization") or 0.9)
-        weights, reserve = weight_bytes(model, engine_kwargs), reserve_bytes(model_config, engine_kwargs)
-        pool = int(tp * (total * utilization - reserve) - weights)
-        return pool, (f"{tp} x {name} {total / GIB:.1f} GiB x {utilization} - weights {weights / GIB:.1f} GiB - "
-                      f"reserve {tp} x {reserve / GIB:.1f} GiB = {pool / GIB:.1f} GiB")
+        device = device or (current_platform.get_device_name(0), current_platform.get_device_total_memory(0))
+        return gpu_pool(device, model_config, engine_kwargs, weight_bytes(model, engine_kwargs))
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if not space:
         raise ValueError("engine_kwargs.max_num_seqs: auto on a CPU needs VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) "
@@ -206,9 +237,15 @@ def device_pool(model: str, model_config: dict, engine_kwargs: dict, device: tup
     return pool, f"VLLM_CPU_KVCACHE_SPACE {space} GiB"
 
 
+def sizing_tokens(kv_tokens_per_seq: int, max_model_len: int, longest_seq: int | None = None) -> int:
+    """Tokens each sequence is sized for: the run's length mix (`kv_tokens_per_seq`), never more than the longest a
+    sequence can be (`longest_seq`: its prompt + sampling.max_tokens, where the caller knows it) or max_model_len."""
+    return max(1, min(int(kv_tokens_per_seq), int(max_model_len), int(longest_seq or max_model_len)))
+
+
 def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
-                      device: tuple[str, int] | None = None) -> Sizing:
-    """The largest multiple of 8 sequences whose cache fits the device's pool (module docstring)."""
+                      device: tuple[str, int] | None = None, longest_seq: int | None = None) -> Sizing:
+    """Every sequence whose cache fits the device's pool, within MIN_SEQS..MAX_SEQS (module docstring)."""
     model_config = target.config_json(model)
     if not model_config:
         raise ValueError(f"engine_kwargs.max_num_seqs: auto needs the model's config.json ({model} has none here)")
@@ -217,14 +254,24 @@ def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
     from vllm.platforms import current_platform  # heavy: imported on use
 
     on_gpu = device is not None or current_platform.is_cuda_alike()
-    cost = sequence_cost(model_config, engine_kwargs, min(int(kv_tokens_per_seq), int(max_model_len)),
+    cost = sequence_cost(model_config, engine_kwargs, sizing_tokens(kv_tokens_per_seq, max_model_len, longest_seq),
                          BLOCK_ALIGN["cuda" if on_gpu else "cpu"])
     pool, pool_why = device_pool(model, model_config, engine_kwargs, device)
-    fits = max(0, pool) // cost.bytes()
-    chosen = max(MIN_SEQS, min(MAX_SEQS, fits // ROUND_TO * ROUND_TO))
-    why = (f"engine_kwargs.max_num_seqs auto = {chosen}: pool {pool_why}; {cost.describe()}; {fits} fit, "
-           f"rounded down to a multiple of {ROUND_TO} within {MIN_SEQS}..{MAX_SEQS}")
-    return Sizing(max_num_seqs=chosen, pool_bytes=pool, cost=cost, why=why)
+    return choose(pool, cost, pool_why, row_bytes(model_config, engine_kwargs) if on_gpu else 0)
+
+
+def choose(pool: int, cost: SequenceCost, pool_why: str, per_seq_extra: int = 0) -> Sizing:
+    """The number n of `cost`'s sequences a pool of `pool` bytes holds once each of them has also taken
+    `per_seq_extra` (row_bytes) outside the cache: n x (cost + extra) <= pool, within MIN_SEQS..MAX_SEQS. The pool
+    recorded is what vLLM should allocate at that n."""
+    fits = max(0, pool) // (cost.bytes() + per_seq_extra)
+    chosen = max(MIN_SEQS, min(MAX_SEQS, fits))
+    left = pool - chosen * per_seq_extra
+    extra = (f" - {chosen} x {per_seq_extra / 2 ** 20:.1f} MiB sampler rows and graphs = {left / GIB:.1f} GiB"
+             if per_seq_extra else "")
+    why = (f"engine_kwargs.max_num_seqs auto = {chosen}: pool {pool_why}{extra}; {cost.describe()}; {fits} fit"
+           + (f", kept within {MIN_SEQS}..{MAX_SEQS}" if chosen != fits else ""))
+    return Sizing(max_num_seqs=chosen, pool_bytes=left, cost=cost, why=why)
 
 
 _AVAILABLE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
@@ -248,6 +295,9 @@ def check_against_vllm(sizing: Sizing, num_blocks: int | None, logged: str = "")
     line = (f"engine_kwargs.max_num_seqs auto, checked: vLLM's pool is {num_blocks:,} blocks = "
             f"{num_blocks * sizing.cost.block_bytes / GIB:.1f} GiB{said}, predicted {sizing.pool_bytes / GIB:.1f} GiB; "
             f"it holds {holds} sequences of {sizing.cost.tokens:,} tokens; chose {sizing.max_num_seqs}{note}")
+    if holds > sizing.max_num_seqs:  # the sums erred low: vLLM's own figure, for the operator to pin
+        line += (f"; {holds - sizing.max_num_seqs} more would fit (engine_kwargs.max_num_seqs: {holds} pins vLLM's "
+                 f"figure on this GPU type)")
     return line, holds
 
 
