@@ -129,7 +129,8 @@ def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str
     train = [f"untrained={exports['regenerated']}"] + [f"{name}={path}" for name, path in exports.items()]
     subprocess.run([TRAINERS_PY, "-m", "job.trainers.acceptance", "--train", *train, "--eval-greedy", eval_greedy,
                     "--eval-sampled", eval_sampled, "--k", str(k), "--steps", str(steps), "--lr", str(lr),
-                    "--seed", str(seed), "--output", result], check=True)
+                    "--seed", str(seed), "--output", result,
+                    "--save-drafts", os.path.join(out, "drafts", f"seed{seed}")], check=True)
     return json.load(open(result))
 
 

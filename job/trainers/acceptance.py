@@ -70,10 +70,13 @@ class Counts:
         self.greedy_len = torch.zeros(k)  # Σ accepted-length (with the bonus token) for k = 1..K
         self.greedy_alive = torch.zeros(k + 1)  # Σ over blocks of [leading run ≥ m], m = 0..K
         self.sampled_alive = torch.zeros(k + 1)  # Σ over blocks of Π_{j<m} α_j, m = 0..K
+        self.walk_blocks = torch.zeros(k)  # the serving walk (`served_walk`), for k = 1..K: blocks drafted
+        self.walk_accepted = torch.zeros(k)  # ... and draft tokens accepted
 
     def add(self, step_logits: list[torch.Tensor], target_logits: torch.Tensor, valid: torch.Tensor,
-            sampling: dict | None) -> None:
-        """step_logits: K tensors [T, V], the draft's logits of step j at each start i; target_logits [T, V]."""
+            sampling: dict | None, document_ids: torch.Tensor | None = None) -> None:
+        """step_logits: K tensors [T, V], the draft's logits of step j at each start i; target_logits [T, V];
+        document_ids [T] (the packed batch's samples): also walk each sample as a serving engine would."""
         from speculators.models.metrics import compute_accepted_length_counts  # the trainers' environment only
 
         K, T = self.k, target_logits.shape[0]
@@ -98,6 +101,12 @@ class Counts:
         alive = (alpha * valid).cumprod(-1)[blocks]
         self.sampled_alive[0] += float(blocks.sum())
         self.sampled_alive[1:] += alive.sum(0)
+        if document_ids is not None:
+            lead = (correct & valid).to(torch.int64).cumprod(-1).sum(-1)
+            for m in range(1, K + 1):
+                walked, accepted = served_walk(lead, blocks, document_ids, m)
+                self.walk_blocks[m - 1] += walked
+                self.walk_accepted[m - 1] += accepted
 
     def result(self) -> dict:
         """τ for k = 1..K and the acceptance at each draft position (given the earlier ones were accepted)."""
@@ -109,7 +118,35 @@ class Counts:
                 "greedy_accept_per_position": per_pos(self.greedy_alive),
                 "sampled_tau": [round(1 + float(self.sampled_alive[1:m + 1].sum() / b), 4)
                                 for m in range(1, self.k + 1)],
-                "sampled_accept_per_position": per_pos(self.sampled_alive)}
+                "sampled_accept_per_position": per_pos(self.sampled_alive),
+                "greedy_tau_served_walk": [round(1 + float(a / b), 4) if b else None
+                                           for a, b in zip(self.walk_accepted, self.walk_blocks)],
+                "served_walk_blocks": [int(b) for b in self.walk_blocks]}
+
+
+def served_walk(lead: torch.Tensor, starts: torch.Tensor, document_ids: torch.Tensor, k: int) -> tuple[int, int]:
+    """(blocks, accepted draft tokens) of the chains a serving engine would draft along each sample, greedy, k draft
+    tokens: the first block starts at the sample's first chain start; a block at i whose leading run of correct
+    slots is r accepts min(r, k) drafts plus the target's own token, so the next block starts min(r, k) + 1 later.
+    The all-positions τ above averages over every start; an engine drafts only at these, which follow a rejection
+    more often than a random position does. lead [T]: leading run of correct, existing slots at each start
+    (≤ K); starts [T] bool; document_ids [T]."""
+    blocks = accepted = 0
+    lead, starts, docs = lead.tolist(), starts.tolist(), document_ids.tolist()
+    i, T = 0, len(starts)
+    while i < T:
+        if not starts[i]:
+            i += 1
+            continue
+        doc = docs[i]
+        while i < T and starts[i] and docs[i] == doc:  # one sample's walk: its starts are contiguous
+            r = min(lead[i], k)
+            blocks += 1
+            accepted += r
+            i += r + 1
+        while i < T and docs[i] == doc:  # the rest of this sample (past its completion's last start)
+            i += 1
+    return blocks, accepted
 
 
 def known_answer(valid: torch.Tensor) -> list[float]:
@@ -149,7 +186,7 @@ def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict, ma
             steps = [x[0].float() for x in captured["draft"]]
             target = captured["target"][0][0].float()
             valid = chain_valid(batch["loss_mask"][0], batch["document_ids"][0], k)
-            draft.add(steps, target, valid, sampling)
+            draft.add(steps, target, valid, sampling, batch["document_ids"][0])
             itself.add([target[j:] for j in range(k)], target, valid, sampling)
             known.append((valid[:, 0].sum().item(), known_answer(valid)))
             starts = valid[:, 0]
@@ -209,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSON file for the results")
+    parser.add_argument("--save-drafts", metavar="DIR",
+                        help="save each draft to DIR/NAME as the trainer's checkpointer does (a directory vLLM serves)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results = {"k": args.k, "steps": args.steps, "lr": args.lr, "seed": args.seed,
@@ -231,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             sp_args, model, logged, epochs = speculators_train.train_steps(
                 export_dir, manifest, manifest["draft_config"], work, args.steps, **overrides)
         trained_s = time.monotonic() - started
-        entry = {"export": export_dir, "samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
+        saved = (speculators_train.save_draft(model, sp_args, os.path.join(args.save_drafts, name), args.k)
+                 if args.save_drafts else None)
+        entry = {"draft_dir": saved, "export": export_dir, "samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
                  "loss_tokens": manifest.get("num_loss_tokens"), "steps": len(logged), "epochs": epochs,
                  "train_seconds": round(trained_s, 1),
                  "first_loss": logged[0]["loss"] if logged else None,
