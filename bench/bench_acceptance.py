@@ -123,9 +123,16 @@ def completion_stats(run_dir: str) -> dict:
 
 
 def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str, seed: int, steps: int,
-                    lr: float, k: int) -> dict:
-    """One draft per training set (and the untrained floor), in the trainers' environment."""
+                    lr: float, k: int, reuse: bool = False) -> dict:
+    """One draft per training set (and the untrained floor), in the trainers' environment. `reuse`: the scores and
+    drafts an earlier run of the same settings left in `out`, where they are there."""
     result = os.path.join(out, f"scores-seed{seed}.json")
+    if reuse and os.path.exists(result):
+        scores = json.load(open(result))
+        if (scores["steps"], scores["lr"], scores["k"]) == (steps, lr, k) and all(
+                os.path.exists(os.path.join(e.get("draft_dir") or "-", "config.json")) for e in scores["sets"].values()):
+            print(f"reusing {result} and its drafts", flush=True)
+            return scores
     train = [f"untrained={exports['regenerated']}"] + [f"{name}={path}" for name, path in exports.items()]
     subprocess.run([TRAINERS_PY, "-m", "job.trainers.acceptance", "--train", *train, "--eval-greedy", eval_greedy,
                     "--eval-sampled", eval_sampled, "--k", str(k), "--steps", str(steps), "--lr", str(lr),
@@ -181,7 +188,36 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, k: int, path: str, model: str, seeds: int) -> None:
+def serve(out: str, model: str, seed: int, k: int) -> dict:
+    """The drafts of `seed` served by vLLM (bench/served_acceptance.py, its own processes): τ from the engine's
+    counters."""
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "served_acceptance.py"),
+                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k)], check=True)
+    return json.load(open(os.path.join(out, f"served-seed{seed}.json")))
+
+
+def served_markdown(served: dict, scores: dict) -> str:
+    """The served table: τ at k draft tokens from vLLM's counters, beside the emulated τ of the same draft on the
+    same prompts (all chain starts, and walked as an engine drafts), greedy and sampled."""
+    k = served["k"]
+    lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | emulated τ | "
+             "emulated, walked as served | drafts | greedy output = the target's alone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, entry in served["sets"].items():
+        emulated = scores["sets"][name]
+        for kind in ("greedy", "sampled"):
+            got = entry[kind]
+            draft = emulated[kind]["draft"]
+            tau = draft["greedy_tau" if kind == "greedy" else "sampled_tau"][k - 1]
+            walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
+            same = f"{got['same_as_greedy_run']} / {served['prompts']}" if kind == "greedy" else "—"
+            pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
+            lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {tau:.2f} | "
+                         f"{'—' if walked is None else f'{walked:.2f}'} | {got['drafts']} | {same} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict | None = None) -> None:
     import matplotlib  # heavy: imported on use
 
     matplotlib.use("Agg")
@@ -191,8 +227,12 @@ def plot(summary: dict, k: int, path: str, model: str, seeds: int) -> None:
     ks = list(range(1, k + 1))
     for ax, kind in zip(axes, ("greedy", "sampled")):
         for name, row in summary.items():
-            ax.errorbar(ks, row[kind], yerr=[s / 2 for s in row[kind + "_spread"]], marker="o", capsize=3,
-                        label=SETS[name], linestyle="--" if name == "untrained" else "-")
+            bars = ax.errorbar(ks, row[kind], yerr=[s / 2 for s in row[kind + "_spread"]], marker="o", capsize=3,
+                               label=SETS[name], linestyle="--" if name == "untrained" else "-")
+            if served and name in served["sets"]:  # the same draft served by vLLM: its counters' τ at k
+                ax.plot([served["k"]], [served["sets"][name][kind]["tau"]], marker="*", markersize=13,
+                        color=bars[0].get_color(), markeredgecolor="black", linestyle="none",
+                        label="served by vLLM (its counters)" if name == "regenerated" else None)
         ax.set_title(f"{kind}: temperature {'0' if kind == 'greedy' else 'of the target (1.0, top-k 20, top-p 0.95)'}",
                      fontsize=9)
         ax.set_xlabel("draft tokens k")
@@ -223,6 +263,10 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="delete --out first (else its runs resume: another "
                         "--seeds on the same data costs no data time)")
     parser.add_argument("--write-docs", action="store_true", help="copy the plot to docs/acceptance-<model>.png")
+    parser.add_argument("--reuse-drafts", action="store_true", help="reuse OUT/scores-seed<N>.json and the drafts "
+                        "saved beside it where an earlier run of the same steps, lr and k left them (no retraining)")
+    parser.add_argument("--no-served", action="store_true", help="skip serving the first seed's drafts in vLLM "
+                        "(bench/served_acceptance.py: τ from the engine's own counters, ~N min here)")
     args = parser.parse_args()
     if not os.path.exists(TRAINERS_PY):
         parser.error("the trainers' environment is missing: run `make trainers` first")
@@ -255,10 +299,17 @@ def main() -> int:
 
     all_scores = []
     for seed in args.seeds:
-        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k)
+        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k,
+                                 args.reuse_drafts)
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
+    served = None
+    if not args.no_served:
+        served = serve(args.out, model, args.seeds[0], args.k)
+        for entry in served["sets"].values():
+            entry["greedy"].pop("greedy_outputs", None)
+        served["no_draft"]["greedy"].pop("greedy_outputs", None)
     first = all_scores[0]["sets"]["regenerated"]
     context = {"greedy_data_is_target_argmax": first["greedy"]["data_is_target_argmax"],
                "sampled_token_is_target_argmax": first["sampled"]["data_is_target_argmax"],
@@ -269,8 +320,11 @@ def main() -> int:
                "runs": runs, "summary": summary, "context": context, "seeds": args.seeds, "data_seed": args.data_seed,
                "steps": args.steps,
                "lr": args.lr, "k": args.k, "data_seconds": round(data_seconds), "seconds": seconds,
-               "scores": all_scores}
+               "served": served, "scores": all_scores}
     table = markdown(summary, args.k, args.seeds)
+    if served:
+        table += (f"\n\nServed ({served['engine']}; drafts of training seed {args.seeds[0]}):\n\n"
+                  + served_markdown(served, all_scores[0]))
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
@@ -278,7 +332,7 @@ def main() -> int:
     # The run's report: beside stage 1's and stage 2's in run (a).
     with open(os.path.join(runs["regenerated"]["run"], "reports", "acceptance.json"), "w") as f:
         json.dump({k: v for k, v in results.items() if k != "scores"}, f, indent=1)
-    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds))
+    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds), served)
     if args.write_docs:
         shutil.copy(os.path.join(args.out, "acceptance.png"), f"docs/acceptance-{args.model}.png")
     print(table)

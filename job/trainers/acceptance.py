@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m job.trainers.acceptance", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", nargs="+", required=True, metavar="NAME=EXPORT",
-                        help="speculators eagle3 exports to train on, one draft each (NAME=untrained: no training, "
-                             "the draft as built, on the first export's vocabulary)")
+                        help="speculators eagle3 (or dflash: trained and saved only) exports to train on, one draft "
+                             "each (NAME=untrained: no training, the draft as built, on the first export's vocabulary)")
     parser.add_argument("--eval-greedy", required=True, help="held-out export of the target's greedy completions")
     parser.add_argument("--eval-sampled", required=True, help="held-out export of the target's sampled completions")
     parser.add_argument("--k", type=int, default=5, help="draft tokens (default 5); also the training TTT steps")
@@ -255,12 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.train:
         name, _, export_dir = spec.partition("=")
         manifest = json.load(open(os.path.join(export_dir, "export.json")))
-        if manifest["to"] != "speculators" or manifest["format"] != "eagle3":
-            parser.error(f"{export_dir}: a speculators eagle3 export is needed, this one is {manifest['to']} "
-                         f"{manifest['format']}")
+        fmt = manifest["format"]
+        if manifest["to"] != "speculators" or fmt not in ("eagle3", "dflash"):
+            parser.error(f"{export_dir}: a speculators eagle3 or dflash export is needed, this one is "
+                         f"{manifest['to']} {fmt}")
+        if fmt == "dflash" and not args.save_drafts:
+            parser.error("a DFlash draft is only trained and saved (vLLM counts it): --save-drafts is needed")
         sampling = target_sampling(manifest["model"])
         started = time.monotonic()
-        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, total_seq_len=args.total_seq_len)
+        # DFlash drafts a block of block_size - 1 tokens after its anchor (the bonus token): k + 1 for k drafts.
+        steps_of = dict(ttt_steps=args.k) if fmt == "eagle3" else dict(block_size=args.k + 1)
+        overrides = dict(steps_of, seed=args.seed, lr=args.lr, total_seq_len=args.total_seq_len)
         work = tempfile.mkdtemp(prefix=f"acceptance-{name}-")
         if name == "untrained":
             sp_args = speculators_train.resolve_args(export_dir, manifest, manifest["draft_config"], work, **overrides)
@@ -272,11 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         trained_s = time.monotonic() - started
         saved = (speculators_train.save_draft(model, sp_args, os.path.join(args.save_drafts, name), args.k)
                  if args.save_drafts else None)
-        entry = {"draft_dir": saved, "export": export_dir, "samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
+        entry = {"format": fmt, "draft_dir": saved, "export": export_dir, "samples": manifest.get("num_samples"),
+                 "tokens": manifest.get("num_tokens"),
                  "loss_tokens": manifest.get("num_loss_tokens"), "steps": len(logged), "epochs": epochs,
                  "train_seconds": round(trained_s, 1),
                  "first_loss": logged[0]["loss"] if logged else None,
                  "last_loss": sum(m["loss"] for m in logged[-20:]) / len(logged[-20:]) if logged else None}
+        if fmt == "dflash":  # not counted here: speculators' forward has no EAGLE-3 chain to emulate
+            results["sets"][name] = entry
+            print(f"{name}: DFlash, {entry['steps']} steps ({epochs} epochs) in {trained_s:.0f} s, saved to {saved}",
+                  flush=True)
+            continue
         model_class = type(model)
         _, val_kwargs = model_class.get_trainer_kwargs(**vars(sp_args))
         for kind, eval_dir in (("greedy", args.eval_greedy), ("sampled", args.eval_sampled)):
