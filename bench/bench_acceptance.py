@@ -103,9 +103,9 @@ def make_run(name: str, model: str, inp: str, out: str, data_seed: int, **overri
     return {"run": config.output, "seconds": round(time.monotonic() - started, 1)}
 
 
-def export(run_dir: str, out: str) -> str:
+def export(run_dir: str, out: str, fmt: str = "eagle3") -> str:
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "job", "export", run_dir, "--to", "speculators", "--format", "eagle3",
+    subprocess.run([sys.executable, "-m", "job", "export", run_dir, "--to", "speculators", "--format", fmt,
                     "--output", out], check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -123,10 +123,12 @@ def completion_stats(run_dir: str) -> dict:
 
 
 def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str, seed: int, steps: int,
-                    lr: float, k: int, reuse: bool = False) -> dict:
+                    lr: float, k: int, reuse: bool = False, fmt: str = "eagle3") -> dict:
     """One draft per training set (and the untrained floor), in the trainers' environment. `reuse`: the scores and
-    drafts an earlier run of the same settings left in `out`, where they are there."""
-    result = os.path.join(out, f"scores-seed{seed}.json")
+    drafts an earlier run of the same settings left in `out`, where they are there. DFlash (`fmt`): trained and
+    saved only, for vLLM to count."""
+    tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
+    result = os.path.join(out, f"scores-{tag}.json")
     if reuse and os.path.exists(result):
         scores = json.load(open(result))
         if (scores["steps"], scores["lr"], scores["k"]) == (steps, lr, k) and all(
@@ -137,7 +139,7 @@ def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str
     subprocess.run([TRAINERS_PY, "-m", "job.trainers.acceptance", "--train", *train, "--eval-greedy", eval_greedy,
                     "--eval-sampled", eval_sampled, "--k", str(k), "--steps", str(steps), "--lr", str(lr),
                     "--seed", str(seed), "--output", result,
-                    "--save-drafts", os.path.join(out, "drafts", f"seed{seed}")], check=True)
+                    "--save-drafts", os.path.join(out, "drafts", tag)], check=True)
     return json.load(open(result))
 
 
@@ -188,12 +190,31 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def serve(out: str, model: str, seed: int, k: int) -> dict:
+def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3") -> dict:
     """The drafts of `seed` served by vLLM (bench/served_acceptance.py, its own processes): τ from the engine's
     counters."""
     subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "served_acceptance.py"),
-                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k)], check=True)
-    return json.load(open(os.path.join(out, f"served-seed{seed}.json")))
+                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k), "--format", fmt], check=True)
+    served = json.load(open(os.path.join(out, f"served-seed{seed}" + ("" if fmt == "eagle3" else "-dflash") + ".json")))
+    for entry in [*served["sets"].values(), served.get("no_draft") or {"greedy": {}}]:
+        entry["greedy"].pop("greedy_outputs", None)  # kept in its own files (served-seed<N>-<set>.json)
+    return served
+
+
+def dflash_markdown(served: dict, scores: dict) -> str:
+    """DFlash drafts served: τ from vLLM's counters only (no emulated count: see job/trainers/acceptance.py)."""
+    k = served["k"]
+    lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | drafts | "
+             "train loss first → last |", "|---|---|---|---|---|---|"]
+    for name, entry in served["sets"].items():
+        trained = scores["sets"][name]
+        loss = (f"{trained['first_loss']:.2f} → {trained['last_loss']:.2f}" if trained["first_loss"] is not None
+                else "—")
+        for kind in ("greedy", "sampled"):
+            got = entry[kind]
+            pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
+            lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {got['drafts']} | {loss} |")
+    return "\n".join(lines)
 
 
 def served_markdown(served: dict, scores: dict) -> str:
@@ -265,6 +286,9 @@ def main() -> int:
     parser.add_argument("--write-docs", action="store_true", help="copy the plot to docs/acceptance-<model>.png")
     parser.add_argument("--reuse-drafts", action="store_true", help="reuse OUT/scores-seed<N>.json and the drafts "
                         "saved beside it where an earlier run of the same steps, lr and k left them (no retraining)")
+    parser.add_argument("--dflash", action="store_true", help="also train a speculators DFlash draft on each set "
+                        "(block of k + 1) and serve it in vLLM (no emulated count for DFlash)")
+    parser.add_argument("--dflash-steps", type=int, default=800, help="optimizer steps per DFlash draft")
     parser.add_argument("--no-served", action="store_true", help="skip serving the first seed's drafts in vLLM "
                         "(bench/served_acceptance.py: τ from the engine's own counters, ~N min here)")
     args = parser.parse_args()
@@ -304,12 +328,14 @@ def main() -> int:
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
-    served = None
-    if not args.no_served:
-        served = serve(args.out, model, args.seeds[0], args.k)
-        for entry in served["sets"].values():
-            entry["greedy"].pop("greedy_outputs", None)
-        served["no_draft"]["greedy"].pop("greedy_outputs", None)
+    served = None if args.no_served else serve(args.out, model, args.seeds[0], args.k)
+    dflash = dflash_scores = None
+    if args.dflash:  # the same three sets (and the untrained floor) for a DFlash draft, served only
+        dflash_exports = {name: export(runs[name]["run"], os.path.join(args.out, "exports", f"{name}-dflash"),
+                                       "dflash") for name in exports}
+        dflash_scores = train_and_score(dflash_exports, eval_greedy, eval_sampled, args.out, args.seeds[0],
+                                        args.dflash_steps, args.lr, args.k, args.reuse_drafts, fmt="dflash")
+        dflash = serve(args.out, model, args.seeds[0], args.k, "dflash")
     first = all_scores[0]["sets"]["regenerated"]
     context = {"greedy_data_is_target_argmax": first["greedy"]["data_is_target_argmax"],
                "sampled_token_is_target_argmax": first["sampled"]["data_is_target_argmax"],
@@ -320,11 +346,14 @@ def main() -> int:
                "runs": runs, "summary": summary, "context": context, "seeds": args.seeds, "data_seed": args.data_seed,
                "steps": args.steps,
                "lr": args.lr, "k": args.k, "data_seconds": round(data_seconds), "seconds": seconds,
-               "served": served, "scores": all_scores}
+               "served": served, "dflash_served": dflash, "dflash_training": dflash_scores, "scores": all_scores}
     table = markdown(summary, args.k, args.seeds)
     if served:
         table += (f"\n\nServed ({served['engine']}; drafts of training seed {args.seeds[0]}):\n\n"
                   + served_markdown(served, all_scores[0]))
+    if dflash:
+        table += (f"\n\nDFlash drafts served ({dflash['engine']}; {args.dflash_steps} steps, seed "
+                  f"{args.seeds[0]}):\n\n" + dflash_markdown(dflash, dflash_scores))
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:

@@ -89,8 +89,9 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
     config = load_config(DEFAULT_CONFIG, model=model)
     os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
     kwargs = dict(config.engine_kwargs)
-    if draft is not None:
-        kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": "eagle3",
+    if draft is not None:  # the method the draft's own config names: eagle3, or dflash
+        method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
+        kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
                                         "num_speculative_tokens": k}
     started = time.monotonic()
     llm = LLM(model=model, disable_log_stats=False, **kwargs)
@@ -119,7 +120,7 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
 
 
 def run_one_in_process(args) -> int:
-    prompts = held_out(args.eval_run)
+    prompts = held_out(args.eval_run)[:args.limit]
     sampled = json.loads(args.sampling)
     result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens)
     with open(args.one, "w") as f:
@@ -134,21 +135,23 @@ def target_sampling(model_dir: str) -> dict:
     return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
 
 
-def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int) -> dict:
-    """Every draft bench/bench_acceptance.py saved for `seed`, and the target alone, each in its own process."""
-    drafts_dir = os.path.join(out, "drafts", f"seed{seed}")
+def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3") -> dict:
+    """Every draft bench/bench_acceptance.py saved for `seed` (EAGLE-3, or DFlash: `fmt`), and the target alone,
+    each in its own process."""
+    tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
+    drafts_dir = os.path.join(out, "drafts", tag)
     eval_run = os.path.join(out, "runs", "eval_greedy")
     missing = [name for name in SETS if not os.path.exists(os.path.join(drafts_dir, name, "config.json"))]
     if missing:
         raise SystemExit(f"{drafts_dir}: no saved draft for {missing}: run bench/bench_acceptance.py first")
     sampling = target_sampling(model)
-    results = {"model": model, "seed": seed, "k": k, "max_tokens": max_tokens, "sampling": sampling,
+    results = {"format": fmt, "model": model, "seed": seed, "k": k, "max_tokens": max_tokens, "sampling": sampling,
                "prompts": len(held_out(eval_run)), "sets": {}}
     import vllm  # the version only; the engines run in their own processes
 
     results["engine"] = f"vllm {vllm.__version__} (CPU build), {os.cpu_count()} cores"
-    for name in (*SETS, None):
-        path = os.path.join(out, f"served-seed{seed}-{name or 'no_draft'}.json")
+    for name in (*SETS, None) if fmt == "eagle3" else SETS:  # the target alone once, beside the EAGLE-3 drafts
+        path = os.path.join(out, f"served-{tag}-{name or 'no_draft'}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", path, "--model", model, "--eval-run", eval_run,
                "--k", str(k), "--max-tokens", str(max_tokens), "--sampling", json.dumps(sampling)]
         if name is not None:
@@ -157,7 +160,6 @@ def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int) -> dict:
         subprocess.run(cmd, check=True)
         entry = json.load(open(path))
         entry["process_s"] = round(time.monotonic() - started, 1)
-        results["sets" if name else "no_draft"] = results.get("sets" if name else "no_draft", {})
         if name is None:
             results["no_draft"] = entry
         else:
@@ -175,15 +177,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="which training seed's drafts")
     parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens (the drafts' trained TTT steps)")
     parser.add_argument("--max-tokens", type=int, default=512, help="as the held-out greedy run generated")
+    parser.add_argument("--format", choices=("eagle3", "dflash"), default="eagle3",
+                        help="which drafts: EAGLE-3 (drafts/seed<N>/) or DFlash (drafts/seed<N>-dflash/)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: serve one draft, write its JSON here
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--eval-run", help=argparse.SUPPRESS)
     parser.add_argument("--sampling", help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # the first N prompts only (tests)
     args = parser.parse_args()
     if args.one:
         return run_one_in_process(args)
-    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens)
-    path = os.path.join(args.out, f"served-seed{args.seed}.json")
+    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format)
+    path = os.path.join(args.out, f"served-seed{args.seed}" + ("" if args.format == "eagle3" else "-dflash") + ".json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"{path}")

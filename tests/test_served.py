@@ -57,3 +57,54 @@ def test_tau_from_counters_is_the_pass_between_two_snapshots():
     # The first pass of an engine: the per-position counter is not reported before any draft was made.
     first = served.tau_from_counters({"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}, after)
     assert first["tau"] == 2.4 and first["accepted_per_pos"] == after["per_pos"]
+
+
+TRAIN_AND_SAVE = r'''
+import json, sys
+from job.trainers import speculators_train as st
+
+export, work, draft = sys.argv[1:4]
+manifest = json.load(open(export + "/export.json"))
+args, model, logged, _ = st.train_steps(export, manifest, manifest["draft_config"], work, 30, ttt_steps=3, seed=0,
+                                        total_seq_len=512)
+st.save_draft(model, args, draft, 3)
+print(json.dumps({"first": logged[0]["loss"], "last": logged[-1]["loss"]}))
+'''
+
+
+@pytest.mark.slow
+def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
+    """The trainer's draft directory, as the acceptance benchmark saves it, loads in vLLM's CPU build as the target's
+    EAGLE-3 speculator without edits, and the engine's own counters count it: 30 training steps on the shared run's
+    export, then 8 of its prompts served greedy with 3 draft tokens. Slow tier: the trainers' environment (~20 s of
+    imports and steps) and one vLLM engine with a draft (~40 s here)."""
+    if not TRAINERS_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail(".venv-trainers is missing: `make test-all` builds it (make trainers)")
+        pytest.skip("no .venv-trainers: run `make trainers` (~1 min)")
+    from job.cli import main
+
+    export, draft = str(tmp_path / "eagle3"), str(tmp_path / "draft")
+    assert main(["export", shared_run.full, "--to", "speculators", "--format", "eagle3", "--output", export]) == 0
+    proc = subprocess.run([str(TRAINERS_PYTHON), "-c", TRAIN_AND_SAVE, export, str(tmp_path / "work"), draft],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.load(open(os.path.join(draft, "config.json")))
+    assert config["speculators_model_type"] == "eagle3" and os.path.isabs(
+        config["speculators_config"]["verifier"]["name_or_path"])
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+    result_path = str(tmp_path / "served.json")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "served_acceptance.py"), "--one", result_path,
+                           "--model", shared_run.model, "--eval-run", shared_run.full, "--draft", draft, "--k", "3",
+                           "--max-tokens", "64", "--sampling", "{}", "--limit", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    greedy = json.load(open(result_path))["greedy"]
+    drafts, pos = greedy["drafts"], greedy["accepted_per_pos"]
+    # One draft of 3 tokens per request per target step; every accepted token counted once, at its position.
+    assert drafts >= 8 and greedy["draft_tokens"] == 3 * drafts, greedy
+    assert len(pos) == 3 and sum(pos) == greedy["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2], greedy
+    # A trained draft is accepted (an untrained one: ~1 % of slots); τ is what the counters say.
+    assert greedy["accepted"] > 0.1 * greedy["draft_tokens"], greedy
+    assert greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4)
