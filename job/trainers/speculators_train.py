@@ -365,6 +365,8 @@ def save_draft(model, args, path: str, speculative_tokens: int | None = None) ->
     the config's `speculators_config.verifier.name_or_path`). The verifier path is written absolute (the export
     may name it relative to where the bench ran) and, given `speculative_tokens`, the proposal's draft length is
     the one the draft was scored at. Returns `path`."""
+    from pathlib import Path
+
     import torch  # heavy: imported on use
     from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype  # the trainers' env only
 
@@ -372,7 +374,7 @@ def save_draft(model, args, path: str, speculative_tokens: int | None = None) ->
     os.makedirs(path)
     model.save_pretrained(path, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
     config_path = os.path.join(path, "config.json")
-    patch_config_dtype(config_path, torch.bfloat16)
+    patch_config_dtype(Path(config_path), torch.bfloat16)
     with open(config_path) as f:
         config = json.load(f)
     spec = config["speculators_config"]
