@@ -131,8 +131,8 @@ def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str
     result = os.path.join(out, f"scores-{tag}.json")
     if reuse and os.path.exists(result):
         scores = json.load(open(result))
-        if (scores["steps"], scores["lr"], scores["k"]) == (steps, lr, k) and all(
-                os.path.exists(os.path.join(e.get("draft_dir") or "-", "config.json")) for e in scores["sets"].values()):
+        saved = [os.path.join(e.get("draft_dir") or "-", "config.json") for e in scores["sets"].values()]
+        if (scores["steps"], scores["lr"], scores["k"]) == (steps, lr, k) and all(map(os.path.exists, saved)):
             print(f"reusing {result} and its drafts", flush=True)
             return scores
     train = [f"untrained={exports['regenerated']}"] + [f"{name}={path}" for name, path in exports.items()]
