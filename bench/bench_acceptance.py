@@ -1,7 +1,7 @@
 """What the data is for: a drafter trained on it, and how many of its tokens the target accepts.
 
     make install trainers
-    .venv/bin/python bench/bench_acceptance.py [--seeds 0 1 2] [--write-docs]
+    .venv/bin/python bench/bench_acceptance.py [--seeds 0 1 2] [--served [--dflash]] [--reuse-drafts] [--write-docs]
 
 Three training sets from the SAME prompts, made by the project's real paths (stage 1, stage 2, export):
   (a) regenerated  — stage 1 + stage 2 as the defaults do (the target's own sampled completions, thinking on);
@@ -14,6 +14,12 @@ ask) rendered as the target is served (its own template, thinking on): τ for k 
 acceptance per position, greedy (on the target's temperature-0 completions) and sampled (Σ min(p, q) at the
 target's own temperature / top-k / top-p, on its sampled completions). job/trainers/acceptance.py has the rules
 and the known-answer check (the target as its own drafter must accept every slot that exists).
+
+Each draft is saved as the trainer's checkpointer saves one (OUT/drafts/seed<N>/<set>/: a directory vLLM serves as
+it is). --served then serves the first seed's drafts with the target in vLLM (bench/served_acceptance.py) and puts
+τ from the engine's own spec-decode counters beside the emulated τ (a table and stars on the plot); --dflash (with
+--served) also trains a speculators DFlash draft on each set and serves it. --reuse-drafts skips the training where
+an earlier run of the same steps, lr and k saved its scores and drafts.
 
 Writes OUT/acceptance.json, OUT/acceptance.md (the table), OUT/acceptance.png (τ against k) and the results into
 run (a)'s reports/acceptance.json; --write-docs copies the plot to docs/acceptance-<model>.png.
@@ -286,11 +292,11 @@ def main() -> int:
     parser.add_argument("--write-docs", action="store_true", help="copy the plot to docs/acceptance-<model>.png")
     parser.add_argument("--reuse-drafts", action="store_true", help="reuse OUT/scores-seed<N>.json and the drafts "
                         "saved beside it where an earlier run of the same steps, lr and k left them (no retraining)")
-    parser.add_argument("--dflash", action="store_true", help="also train a speculators DFlash draft on each set "
-                        "(block of k + 1) and serve it in vLLM (no emulated count for DFlash)")
+    parser.add_argument("--dflash", action="store_true", help="with --served: also train a speculators DFlash draft "
+                        "on each set (block of k + 1) and serve it in vLLM (no emulated count for DFlash)")
     parser.add_argument("--dflash-steps", type=int, default=800, help="optimizer steps per DFlash draft")
-    parser.add_argument("--no-served", action="store_true", help="skip serving the first seed's drafts in vLLM "
-                        "(bench/served_acceptance.py: τ from the engine's own counters, ~N min here)")
+    parser.add_argument("--served", action="store_true", help="also serve the first seed's drafts in vLLM "
+                        "(bench/served_acceptance.py: τ from the engine's own counters; 5 engines)")
     args = parser.parse_args()
     if not os.path.exists(TRAINERS_PY):
         parser.error("the trainers' environment is missing: run `make trainers` first")
@@ -328,9 +334,9 @@ def main() -> int:
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
-    served = None if args.no_served else serve(args.out, model, args.seeds[0], args.k)
+    served = serve(args.out, model, args.seeds[0], args.k) if args.served else None
     dflash = dflash_scores = None
-    if args.dflash:  # the same three sets (and the untrained floor) for a DFlash draft, served only
+    if args.dflash and args.served:  # the same three sets (and the untrained floor) for a DFlash draft, served only
         dflash_exports = {name: export(runs[name]["run"], os.path.join(args.out, "exports", f"{name}-dflash"),
                                        "dflash") for name in exports}
         dflash_scores = train_and_score(dflash_exports, eval_greedy, eval_sampled, args.out, args.seeds[0],
