@@ -82,7 +82,9 @@ $(TRAINERS_STAMP): job/trainers/requirements.txt
 	touch $(TRAINERS_STAMP)
 
 # The acceptance benchmark (docs/BENCHMARKS.md, "What the data is worth"): a speculators EAGLE-3 draft trained on
-# regenerated, wrong-template and original data from the same prompts, scored on held-out prompts. ~15 min here.
+# regenerated, wrong-template and original data from the same prompts, scored on held-out prompts. ~20 min here.
+# ACCEPTANCE_ARGS=--served also serves each draft with the target in vLLM's CPU build and counts τ by the engine's
+# own spec-decode counters (bench/served_acceptance.py; 5 more engines, not yet timed end to end here).
 ACCEPTANCE_ARGS ?=
 acceptance: install $(TINY_MODEL) $(TRAINERS_STAMP)
 	$(PY) bench/bench_acceptance.py $(ACCEPTANCE_ARGS)

@@ -1,7 +1,7 @@
 """What the data is for: a drafter trained on it, and how many of its tokens the target accepts.
 
     make install trainers
-    .venv/bin/python bench/bench_acceptance.py [--seeds 0 1 2] [--write-docs]
+    .venv/bin/python bench/bench_acceptance.py [--seeds 0 1 2] [--served [--dflash]] [--reuse-drafts] [--write-docs]
 
 Three training sets from the SAME prompts, made by the project's real paths (stage 1, stage 2, export):
   (a) regenerated  — stage 1 + stage 2 as the defaults do (the target's own sampled completions, thinking on);
@@ -14,6 +14,12 @@ ask) rendered as the target is served (its own template, thinking on): τ for k 
 acceptance per position, greedy (on the target's temperature-0 completions) and sampled (Σ min(p, q) at the
 target's own temperature / top-k / top-p, on its sampled completions). job/trainers/acceptance.py has the rules
 and the known-answer check (the target as its own drafter must accept every slot that exists).
+
+Each draft is saved as the trainer's checkpointer saves one (OUT/drafts/seed<N>/<set>/: a directory vLLM serves as
+it is). --served then serves the first seed's drafts with the target in vLLM (bench/served_acceptance.py) and puts
+τ from the engine's own spec-decode counters beside the emulated τ (a table and stars on the plot); --dflash (with
+--served) also trains a speculators DFlash draft on each set and serves it. --reuse-drafts skips the training where
+an earlier run of the same steps, lr and k saved its scores and drafts.
 
 Writes OUT/acceptance.json, OUT/acceptance.md (the table), OUT/acceptance.png (τ against k) and the results into
 run (a)'s reports/acceptance.json; --write-docs copies the plot to docs/acceptance-<model>.png.
@@ -103,9 +109,9 @@ def make_run(name: str, model: str, inp: str, out: str, data_seed: int, **overri
     return {"run": config.output, "seconds": round(time.monotonic() - started, 1)}
 
 
-def export(run_dir: str, out: str) -> str:
+def export(run_dir: str, out: str, fmt: str = "eagle3") -> str:
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "job", "export", run_dir, "--to", "speculators", "--format", "eagle3",
+    subprocess.run([sys.executable, "-m", "job", "export", run_dir, "--to", "speculators", "--format", fmt,
                     "--output", out], check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -123,13 +129,23 @@ def completion_stats(run_dir: str) -> dict:
 
 
 def train_and_score(exports: dict, eval_greedy: str, eval_sampled: str, out: str, seed: int, steps: int,
-                    lr: float, k: int) -> dict:
-    """One draft per training set (and the untrained floor), in the trainers' environment."""
-    result = os.path.join(out, f"scores-seed{seed}.json")
+                    lr: float, k: int, reuse: bool = False, fmt: str = "eagle3") -> dict:
+    """One draft per training set (and the untrained floor), in the trainers' environment. `reuse`: the scores and
+    drafts an earlier run of the same settings left in `out`, where they are there. DFlash (`fmt`): trained and
+    saved only, for vLLM to count."""
+    tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
+    result = os.path.join(out, f"scores-{tag}.json")
+    if reuse and os.path.exists(result):
+        scores = json.load(open(result))
+        saved = [os.path.join(e.get("draft_dir") or "-", "config.json") for e in scores["sets"].values()]
+        if (scores["steps"], scores["lr"], scores["k"]) == (steps, lr, k) and all(map(os.path.exists, saved)):
+            print(f"reusing {result} and its drafts", flush=True)
+            return scores
     train = [f"untrained={exports['regenerated']}"] + [f"{name}={path}" for name, path in exports.items()]
     subprocess.run([TRAINERS_PY, "-m", "job.trainers.acceptance", "--train", *train, "--eval-greedy", eval_greedy,
                     "--eval-sampled", eval_sampled, "--k", str(k), "--steps", str(steps), "--lr", str(lr),
-                    "--seed", str(seed), "--output", result], check=True)
+                    "--seed", str(seed), "--output", result,
+                    "--save-drafts", os.path.join(out, "drafts", tag)], check=True)
     return json.load(open(result))
 
 
@@ -180,7 +196,55 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, k: int, path: str, model: str, seeds: int) -> None:
+def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3") -> dict:
+    """The drafts of `seed` served by vLLM (bench/served_acceptance.py, its own processes): τ from the engine's
+    counters."""
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "served_acceptance.py"),
+                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k), "--format", fmt], check=True)
+    served = json.load(open(os.path.join(out, f"served-seed{seed}" + ("" if fmt == "eagle3" else "-dflash") + ".json")))
+    for entry in [*served["sets"].values(), served.get("no_draft") or {"greedy": {}}]:
+        entry["greedy"].pop("greedy_outputs", None)  # kept in its own files (served-seed<N>-<set>.json)
+    return served
+
+
+def dflash_markdown(served: dict, scores: dict) -> str:
+    """DFlash drafts served: τ from vLLM's counters only (no emulated count: see job/trainers/acceptance.py)."""
+    k = served["k"]
+    lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | drafts | "
+             "train loss first → last |", "|---|---|---|---|---|---|"]
+    for name, entry in served["sets"].items():
+        trained = scores["sets"][name]
+        loss = (f"{trained['first_loss']:.2f} → {trained['last_loss']:.2f}" if trained["first_loss"] is not None
+                else "—")
+        for kind in ("greedy", "sampled"):
+            got = entry[kind]
+            pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
+            lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {got['drafts']} | {loss} |")
+    return "\n".join(lines)
+
+
+def served_markdown(served: dict, scores: dict) -> str:
+    """The served table: τ at k draft tokens from vLLM's counters, beside the emulated τ of the same draft on the
+    same prompts (all chain starts, and walked as an engine drafts), greedy and sampled."""
+    k = served["k"]
+    lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | emulated τ | "
+             "emulated, walked as served | drafts | greedy output = the target's alone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, entry in served["sets"].items():
+        emulated = scores["sets"][name]
+        for kind in ("greedy", "sampled"):
+            got = entry[kind]
+            draft = emulated[kind]["draft"]
+            tau = draft["greedy_tau" if kind == "greedy" else "sampled_tau"][k - 1]
+            walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
+            same = f"{got['same_as_greedy_run']} / {served['prompts']}" if kind == "greedy" else "—"
+            pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
+            lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {tau:.2f} | "
+                         f"{'—' if walked is None else f'{walked:.2f}'} | {got['drafts']} | {same} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict | None = None) -> None:
     import matplotlib  # heavy: imported on use
 
     matplotlib.use("Agg")
@@ -190,8 +254,12 @@ def plot(summary: dict, k: int, path: str, model: str, seeds: int) -> None:
     ks = list(range(1, k + 1))
     for ax, kind in zip(axes, ("greedy", "sampled")):
         for name, row in summary.items():
-            ax.errorbar(ks, row[kind], yerr=[s / 2 for s in row[kind + "_spread"]], marker="o", capsize=3,
-                        label=SETS[name], linestyle="--" if name == "untrained" else "-")
+            bars = ax.errorbar(ks, row[kind], yerr=[s / 2 for s in row[kind + "_spread"]], marker="o", capsize=3,
+                               label=SETS[name], linestyle="--" if name == "untrained" else "-")
+            if served and name in served["sets"]:  # the same draft served by vLLM: its counters' τ at k
+                ax.plot([served["k"]], [served["sets"][name][kind]["tau"]], marker="*", markersize=13,
+                        color=bars[0].get_color(), markeredgecolor="black", linestyle="none",
+                        label="served by vLLM (its counters)" if name == "regenerated" else None)
         ax.set_title(f"{kind}: temperature {'0' if kind == 'greedy' else 'of the target (1.0, top-k 20, top-p 0.95)'}",
                      fontsize=9)
         ax.set_xlabel("draft tokens k")
@@ -222,6 +290,13 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="delete --out first (else its runs resume: another "
                         "--seeds on the same data costs no data time)")
     parser.add_argument("--write-docs", action="store_true", help="copy the plot to docs/acceptance-<model>.png")
+    parser.add_argument("--reuse-drafts", action="store_true", help="reuse OUT/scores-seed<N>.json and the drafts "
+                        "saved beside it where an earlier run of the same steps, lr and k left them (no retraining)")
+    parser.add_argument("--dflash", action="store_true", help="with --served: also train a speculators DFlash draft "
+                        "on each set (block of k + 1) and serve it in vLLM (no emulated count for DFlash)")
+    parser.add_argument("--dflash-steps", type=int, default=800, help="optimizer steps per DFlash draft")
+    parser.add_argument("--served", action="store_true", help="also serve the first seed's drafts in vLLM "
+                        "(bench/served_acceptance.py: τ from the engine's own counters; 5 engines)")
     args = parser.parse_args()
     if not os.path.exists(TRAINERS_PY):
         parser.error("the trainers' environment is missing: run `make trainers` first")
@@ -254,10 +329,19 @@ def main() -> int:
 
     all_scores = []
     for seed in args.seeds:
-        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k)
+        scores = train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k,
+                                 args.reuse_drafts)
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
+    served = serve(args.out, model, args.seeds[0], args.k) if args.served else None
+    dflash = dflash_scores = None
+    if args.dflash and args.served:  # the same three sets (and the untrained floor) for a DFlash draft, served only
+        dflash_exports = {name: export(runs[name]["run"], os.path.join(args.out, "exports", f"{name}-dflash"),
+                                       "dflash") for name in exports}
+        dflash_scores = train_and_score(dflash_exports, eval_greedy, eval_sampled, args.out, args.seeds[0],
+                                        args.dflash_steps, args.lr, args.k, args.reuse_drafts, fmt="dflash")
+        dflash = serve(args.out, model, args.seeds[0], args.k, "dflash")
     first = all_scores[0]["sets"]["regenerated"]
     context = {"greedy_data_is_target_argmax": first["greedy"]["data_is_target_argmax"],
                "sampled_token_is_target_argmax": first["sampled"]["data_is_target_argmax"],
@@ -268,8 +352,14 @@ def main() -> int:
                "runs": runs, "summary": summary, "context": context, "seeds": args.seeds, "data_seed": args.data_seed,
                "steps": args.steps,
                "lr": args.lr, "k": args.k, "data_seconds": round(data_seconds), "seconds": seconds,
-               "scores": all_scores}
+               "served": served, "dflash_served": dflash, "dflash_training": dflash_scores, "scores": all_scores}
     table = markdown(summary, args.k, args.seeds)
+    if served:
+        table += (f"\n\nServed ({served['engine']}; drafts of training seed {args.seeds[0]}):\n\n"
+                  + served_markdown(served, all_scores[0]))
+    if dflash:
+        table += (f"\n\nDFlash drafts served ({dflash['engine']}; {args.dflash_steps} steps, seed "
+                  f"{args.seeds[0]}):\n\n" + dflash_markdown(dflash, dflash_scores))
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
@@ -277,7 +367,7 @@ def main() -> int:
     # The run's report: beside stage 1's and stage 2's in run (a).
     with open(os.path.join(runs["regenerated"]["run"], "reports", "acceptance.json"), "w") as f:
         json.dump({k: v for k, v in results.items() if k != "scores"}, f, indent=1)
-    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds))
+    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds), served)
     if args.write_docs:
         shutil.copy(os.path.join(args.out, "acceptance.png"), f"docs/acceptance-{args.model}.png")
     print(table)

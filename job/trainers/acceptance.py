@@ -70,10 +70,13 @@ class Counts:
         self.greedy_len = torch.zeros(k)  # Σ accepted-length (with the bonus token) for k = 1..K
         self.greedy_alive = torch.zeros(k + 1)  # Σ over blocks of [leading run ≥ m], m = 0..K
         self.sampled_alive = torch.zeros(k + 1)  # Σ over blocks of Π_{j<m} α_j, m = 0..K
+        self.walk_blocks = torch.zeros(k)  # the serving walk (`served_walk`), for k = 1..K: blocks drafted
+        self.walk_accepted = torch.zeros(k)  # ... and draft tokens accepted
 
     def add(self, step_logits: list[torch.Tensor], target_logits: torch.Tensor, valid: torch.Tensor,
-            sampling: dict | None) -> None:
-        """step_logits: K tensors [T, V], the draft's logits of step j at each start i; target_logits [T, V]."""
+            sampling: dict | None, document_ids: torch.Tensor | None = None) -> None:
+        """step_logits: K tensors [T, V], the draft's logits of step j at each start i; target_logits [T, V];
+        document_ids [T] (the packed batch's samples): also walk each sample as a serving engine would."""
         from speculators.models.metrics import compute_accepted_length_counts  # the trainers' environment only
 
         K, T = self.k, target_logits.shape[0]
@@ -98,6 +101,12 @@ class Counts:
         alive = (alpha * valid).cumprod(-1)[blocks]
         self.sampled_alive[0] += float(blocks.sum())
         self.sampled_alive[1:] += alive.sum(0)
+        if document_ids is not None:
+            lead = (correct & valid).to(torch.int64).cumprod(-1).sum(-1)
+            for m in range(1, K + 1):
+                walked, accepted = served_walk(lead, blocks, document_ids, m)
+                self.walk_blocks[m - 1] += walked
+                self.walk_accepted[m - 1] += accepted
 
     def result(self) -> dict:
         """τ for k = 1..K and the acceptance at each draft position (given the earlier ones were accepted)."""
@@ -109,7 +118,35 @@ class Counts:
                 "greedy_accept_per_position": per_pos(self.greedy_alive),
                 "sampled_tau": [round(1 + float(self.sampled_alive[1:m + 1].sum() / b), 4)
                                 for m in range(1, self.k + 1)],
-                "sampled_accept_per_position": per_pos(self.sampled_alive)}
+                "sampled_accept_per_position": per_pos(self.sampled_alive),
+                "greedy_tau_served_walk": [round(1 + float(a / b), 4) if b else None
+                                           for a, b in zip(self.walk_accepted, self.walk_blocks)],
+                "served_walk_blocks": [int(b) for b in self.walk_blocks]}
+
+
+def served_walk(lead: torch.Tensor, starts: torch.Tensor, document_ids: torch.Tensor, k: int) -> tuple[int, int]:
+    """(blocks, accepted draft tokens) of the chains a serving engine would draft along each sample, greedy, k draft
+    tokens: the first block starts at the sample's first chain start; a block at i whose leading run of correct
+    slots is r accepts min(r, k) drafts plus the target's own token, so the next block starts min(r, k) + 1 later.
+    The all-positions τ above averages over every start; an engine drafts only at these, which follow a rejection
+    more often than a random position does. lead [T]: leading run of correct, existing slots at each start
+    (≤ K); starts [T] bool; document_ids [T]."""
+    blocks = accepted = 0
+    lead, starts, docs = lead.tolist(), starts.tolist(), document_ids.tolist()
+    i, T = 0, len(starts)
+    while i < T:
+        if not starts[i]:
+            i += 1
+            continue
+        doc = docs[i]
+        while i < T and starts[i] and docs[i] == doc:  # one sample's walk: its starts are contiguous
+            r = min(lead[i], k)
+            blocks += 1
+            accepted += r
+            i += r + 1
+        while i < T and docs[i] == doc:  # the rest of this sample (past its completion's last start)
+            i += 1
+    return blocks, accepted
 
 
 def known_answer(valid: torch.Tensor) -> list[float]:
@@ -149,7 +186,7 @@ def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict, ma
             steps = [x[0].float() for x in captured["draft"]]
             target = captured["target"][0][0].float()
             valid = chain_valid(batch["loss_mask"][0], batch["document_ids"][0], k)
-            draft.add(steps, target, valid, sampling)
+            draft.add(steps, target, valid, sampling, batch["document_ids"][0])
             itself.add([target[j:] for j in range(k)], target, valid, sampling)
             known.append((valid[:, 0].sum().item(), known_answer(valid)))
             starts = valid[:, 0]
@@ -196,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m job.trainers.acceptance", description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", nargs="+", required=True, metavar="NAME=EXPORT",
-                        help="speculators eagle3 exports to train on, one draft each (NAME=untrained: no training, "
-                             "the draft as built, on the first export's vocabulary)")
+                        help="speculators eagle3 (or dflash: trained and saved only) exports to train on, one draft "
+                             "each (NAME=untrained: no training, the draft as built, on the first export's vocabulary)")
     parser.add_argument("--eval-greedy", required=True, help="held-out export of the target's greedy completions")
     parser.add_argument("--eval-sampled", required=True, help="held-out export of the target's sampled completions")
     parser.add_argument("--k", type=int, default=5, help="draft tokens (default 5); also the training TTT steps")
@@ -209,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSON file for the results")
+    parser.add_argument("--save-drafts", metavar="DIR",
+                        help="save each draft to DIR/NAME as the trainer's checkpointer does (a directory vLLM serves)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results = {"k": args.k, "steps": args.steps, "lr": args.lr, "seed": args.seed,
@@ -216,12 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.train:
         name, _, export_dir = spec.partition("=")
         manifest = json.load(open(os.path.join(export_dir, "export.json")))
-        if manifest["to"] != "speculators" or manifest["format"] != "eagle3":
-            parser.error(f"{export_dir}: a speculators eagle3 export is needed, this one is {manifest['to']} "
-                         f"{manifest['format']}")
+        fmt = manifest["format"]
+        if manifest["to"] != "speculators" or fmt not in ("eagle3", "dflash"):
+            parser.error(f"{export_dir}: a speculators eagle3 or dflash export is needed, this one is "
+                         f"{manifest['to']} {fmt}")
+        if fmt == "dflash" and not args.save_drafts:
+            parser.error("a DFlash draft is only trained and saved (vLLM counts it): --save-drafts is needed")
         sampling = target_sampling(manifest["model"])
         started = time.monotonic()
-        overrides = dict(ttt_steps=args.k, seed=args.seed, lr=args.lr, total_seq_len=args.total_seq_len)
+        # DFlash drafts a block of block_size - 1 tokens after its anchor (the bonus token): k + 1 for k drafts.
+        steps_of = dict(ttt_steps=args.k) if fmt == "eagle3" else dict(block_size=args.k + 1)
+        overrides = dict(steps_of, seed=args.seed, lr=args.lr, total_seq_len=args.total_seq_len)
         work = tempfile.mkdtemp(prefix=f"acceptance-{name}-")
         if name == "untrained":
             sp_args = speculators_train.resolve_args(export_dir, manifest, manifest["draft_config"], work, **overrides)
@@ -231,11 +275,19 @@ def main(argv: list[str] | None = None) -> int:
             sp_args, model, logged, epochs = speculators_train.train_steps(
                 export_dir, manifest, manifest["draft_config"], work, args.steps, **overrides)
         trained_s = time.monotonic() - started
-        entry = {"export": export_dir, "samples": manifest.get("num_samples"), "tokens": manifest.get("num_tokens"),
+        saved = (speculators_train.save_draft(model, sp_args, os.path.join(args.save_drafts, name), args.k)
+                 if args.save_drafts else None)
+        entry = {"format": fmt, "draft_dir": saved, "export": export_dir, "samples": manifest.get("num_samples"),
+                 "tokens": manifest.get("num_tokens"),
                  "loss_tokens": manifest.get("num_loss_tokens"), "steps": len(logged), "epochs": epochs,
                  "train_seconds": round(trained_s, 1),
                  "first_loss": logged[0]["loss"] if logged else None,
                  "last_loss": sum(m["loss"] for m in logged[-20:]) / len(logged[-20:]) if logged else None}
+        if fmt == "dflash":  # not counted here: speculators' forward has no EAGLE-3 chain to emulate
+            results["sets"][name] = entry
+            print(f"{name}: DFlash, {entry['steps']} steps ({epochs} epochs) in {trained_s:.0f} s, saved to {saved}",
+                  flush=True)
+            continue
         model_class = type(model)
         _, val_kwargs = model_class.get_trainer_kwargs(**vars(sp_args))
         for kind, eval_dir in (("greedy", args.eval_greedy), ("sampled", args.eval_sampled)):

@@ -356,3 +356,32 @@ def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, ste
     if len(logged) != steps:
         raise RuntimeError(f"expected {steps} steps, the trainer logged {len(logged)}")
     return args, model, [dict(m, grad_norm=n) for m, n in zip(logged, norms)], round(steps / len(loader), 2)
+
+
+def save_draft(model, args, path: str, speculative_tokens: int | None = None) -> str:
+    """Save a trained draft as the trainer's own checkpointer does at an epoch's end (Checkpointer.save_checkpoint:
+    the state dict in bf16, `save_pretrained`, `patch_config_dtype`), a directory vLLM serves as it is
+    (`speculative_config={"model": path, "method": "eagle3"}`, or `LLM(model=path)`, which finds the target in
+    the config's `speculators_config.verifier.name_or_path`). The verifier path is written absolute (the export
+    may name it relative to where the bench ran) and, given `speculative_tokens`, the proposal's draft length is
+    the one the draft was scored at. Returns `path`."""
+    from pathlib import Path
+
+    import torch  # heavy: imported on use
+    from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype  # the trainers' env only
+
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    model.save_pretrained(path, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
+    config_path = os.path.join(path, "config.json")
+    patch_config_dtype(Path(config_path), torch.bfloat16)
+    with open(config_path) as f:
+        config = json.load(f)
+    spec = config["speculators_config"]
+    spec["verifier"]["name_or_path"] = os.path.abspath(args.verifier_name_or_path)
+    if speculative_tokens is not None:
+        for method in spec["proposal_methods"]:
+            method["speculative_tokens"] = speculative_tokens
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return path

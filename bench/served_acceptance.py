@@ -1,0 +1,199 @@
+"""The drafts of bench/bench_acceptance.py served: the target in vLLM with each draft as its speculative decoder,
+and τ counted by vLLM's own spec-decode counters.
+
+    .venv/bin/python bench/served_acceptance.py [--out bench-acceptance] [--seed 0] [--k 5]
+
+Reads what bench/bench_acceptance.py left in --out: the drafts its trainer saved (drafts/seed<N>/<set>/, the
+trainer's own checkpoint format: speculators' config.json + model.safetensors) and the held-out prompts of its
+greedy evaluation run (runs/eval_greedy: the prompt token ids as the target was served them, its template,
+thinking on). For each draft, one vLLM engine (the job's own engine settings, configs/demo.yaml) serves the target
+with `speculative_config={"model": <draft dir>, "method": "eagle3", "num_speculative_tokens": k}` and generates
+every held-out prompt twice: greedy (temperature 0, as the greedy evaluation run) and at the target's own
+sampling settings (generation_config.json). Counted from `LLM.get_metrics()`, the difference across each pass:
+
+    vllm:spec_decode_num_drafts                  drafts proposed (one per request per target step)
+    vllm:spec_decode_num_draft_tokens            draft tokens proposed (k per draft)
+    vllm:spec_decode_num_accepted_tokens         draft tokens the target accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos accepted at draft position 1..k
+
+τ = 1 + accepted / drafts (the mean number of tokens one target step emits: vLLM's "mean acceptance length");
+the acceptance at position m is accepted_m / accepted_{m-1} (given the earlier ones were accepted), as the
+emulated table gives it. One engine without a draft generates the greedy pass too, for the decode throughput
+with and without the draft (on 2 CPU cores and a 256-wide target, a figure of the CPU's overheads, not of
+speculative decoding: labelled so). Each engine runs in its own process (`--one`): vLLM's metrics live in a
+process-wide Prometheus registry and an engine's memory is only surely freed when its process exits.
+
+Writes OUT/served-seed<N>.json and prints the table; bench/bench_acceptance.py calls it (--served) and puts the
+served table beside the emulated one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETS = ("regenerated", "wrong_template", "original", "untrained")
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def held_out(run_dir: str) -> list[dict]:
+    """The greedy evaluation run's rows: prompt token ids as served, and the target's greedy output to compare."""
+    from job.runview.notebook import read_rows  # the notebook's reader
+
+    rows = [r for r in read_rows(run_dir).to_pylist() if r["error"] is None]
+    rows.sort(key=lambda r: r["id"])
+    return [{"id": r["id"], "prompt_token_ids": list(r["prompt_token_ids"]),
+             "output_token_ids": list(r["output_token_ids"])} for r in rows]
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own spec-decode counters, as `LLM.get_metrics()` reports them (totals since the engine started)."""
+    from vllm.v1.metrics.reader import Counter, Vector  # heavy: imported on use
+
+    got = {"per_pos": []}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS and isinstance(metric, Counter):
+            got[metric.name.removeprefix("vllm:spec_decode_num_")] = int(metric.value)
+        elif metric.name == PER_POS and isinstance(metric, Vector):
+            got["per_pos"] = [int(v) for v in metric.values]
+    return got
+
+
+def tau_from_counters(before: dict, after: dict) -> dict:
+    """τ and per-position acceptance from two snapshots of the counters (the pass between them)."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+    conditional = [round(pos[m] / (pos[m - 1] if m else drafts), 4) if (pos[m - 1] if m else drafts) else 0.0
+                   for m in range(len(pos))]
+    return {"drafts": drafts, "draft_tokens": after["draft_tokens"] - before["draft_tokens"], "accepted": accepted,
+            "accepted_per_pos": pos, "tau": round(1 + accepted / drafts, 4) if drafts else None,
+            "accept_per_position": conditional}
+
+
+def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int) -> dict:
+    """One engine (the target, with `draft` as its EAGLE-3 speculator unless None): a greedy pass and a pass at the
+    target's sampling settings over `prompts`, each counted by the engine's spec-decode counters."""
+    from vllm import LLM, SamplingParams  # heavy: imported on use
+
+    from job.config import DEFAULT_CONFIG, load_config
+
+    config = load_config(DEFAULT_CONFIG, model=model)
+    os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
+    kwargs = dict(config.engine_kwargs)
+    if draft is not None:  # the method the draft's own config names: eagle3, or dflash
+        method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
+        kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
+                                        "num_speculative_tokens": k}
+    started = time.monotonic()
+    llm = LLM(model=model, disable_log_stats=False, **kwargs)
+    result = {"draft": draft, "k": k if draft else 0, "engine_start_s": round(time.monotonic() - started, 1),
+              "engine_kwargs": kwargs}
+    inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
+    passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
+    if draft is not None:
+        passes["sampled"] = SamplingParams(max_tokens=max_tokens, **sampled)
+    for name, params in passes.items():
+        before = spec_counters(llm) if draft else None
+        started = time.monotonic()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.monotonic() - started
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        entry = {"seconds": round(seconds, 2), "output_tokens": sum(map(len, tokens)),
+                 "tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
+        if draft is not None:
+            entry.update(tau_from_counters(before, spec_counters(llm)))
+        if name == "greedy":  # lossless: the served greedy output should be the target's own greedy output
+            same = sum(t == p["output_token_ids"] for t, p in zip(tokens, prompts))
+            entry["same_as_greedy_run"] = same
+            entry["greedy_outputs"] = tokens
+        result[name] = entry
+    return result
+
+
+def run_one_in_process(args) -> int:
+    prompts = held_out(args.eval_run)[:args.limit]
+    sampled = json.loads(args.sampling)
+    result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens)
+    with open(args.one, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def target_sampling(model_dir: str) -> dict:
+    """The target's own sampling settings (generation_config.json), as job/trainers/acceptance.py reads them."""
+    path = os.path.join(model_dir, "generation_config.json")
+    gen = json.load(open(path)) if os.path.exists(path) else {}
+    return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
+
+
+def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3") -> dict:
+    """Every draft bench/bench_acceptance.py saved for `seed` (EAGLE-3, or DFlash: `fmt`), and the target alone,
+    each in its own process."""
+    tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
+    drafts_dir = os.path.join(out, "drafts", tag)
+    eval_run = os.path.join(out, "runs", "eval_greedy")
+    missing = [name for name in SETS if not os.path.exists(os.path.join(drafts_dir, name, "config.json"))]
+    if missing:
+        raise SystemExit(f"{drafts_dir}: no saved draft for {missing}: run bench/bench_acceptance.py first")
+    sampling = target_sampling(model)
+    results = {"format": fmt, "model": model, "seed": seed, "k": k, "max_tokens": max_tokens, "sampling": sampling,
+               "prompts": len(held_out(eval_run)), "sets": {}}
+    import vllm  # the version only; the engines run in their own processes
+
+    results["engine"] = f"vllm {vllm.__version__} (CPU build), {os.cpu_count()} cores"
+    for name in (*SETS, None) if fmt == "eagle3" else SETS:  # the target alone once, beside the EAGLE-3 drafts
+        path = os.path.join(out, f"served-{tag}-{name or 'no_draft'}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", path, "--model", model, "--eval-run", eval_run,
+               "--k", str(k), "--max-tokens", str(max_tokens), "--sampling", json.dumps(sampling)]
+        if name is not None:
+            cmd += ["--draft", os.path.join(drafts_dir, name)]
+        started = time.monotonic()
+        subprocess.run(cmd, check=True)
+        entry = json.load(open(path))
+        entry["process_s"] = round(time.monotonic() - started, 1)
+        if name is None:
+            results["no_draft"] = entry
+        else:
+            results["sets"][name] = entry
+        print(f"{name or 'no draft'}: " + json.dumps({p: {x: entry[p].get(x) for x in ("tau", "accept_per_position",
+                                                                                         "tokens_per_s")}
+                                                       for p in ("greedy", "sampled") if p in entry}), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-acceptance", help="bench/bench_acceptance.py's working directory")
+    parser.add_argument("--model", default=".cache/tiny-model", help="the target (the drafts' verifier)")
+    parser.add_argument("--seed", type=int, default=0, help="which training seed's drafts")
+    parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens (the drafts' trained TTT steps)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="as the held-out greedy run generated")
+    parser.add_argument("--format", choices=("eagle3", "dflash"), default="eagle3",
+                        help="which drafts: EAGLE-3 (drafts/seed<N>/) or DFlash (drafts/seed<N>-dflash/)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: serve one draft, write its JSON here
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
+    parser.add_argument("--eval-run", help=argparse.SUPPRESS)
+    parser.add_argument("--sampling", help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # the first N prompts only (tests)
+    args = parser.parse_args()
+    if args.one:
+        return run_one_in_process(args)
+    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format)
+    path = os.path.join(args.out, f"served-seed{args.seed}" + ("" if args.format == "eagle3" else "-dflash") + ".json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

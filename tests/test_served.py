@@ -1,0 +1,110 @@
+"""The drafter served (issue 44): a draft saved by the acceptance benchmark's trainer loads in vLLM's CPU build as an
+EAGLE-3 speculator, and τ is read from vLLM's own spec-decode counters (bench/served_acceptance.py); the emulated
+count's serving walk (job/trainers/acceptance.py `served_walk`) on known answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import served_acceptance as served  # noqa: E402
+from job.trainers.acceptance import served_walk  # noqa: E402
+
+TRAINERS_PYTHON = REPO / ".venv-trainers" / "bin" / "python"
+
+
+def walk(lead, k, docs=None, starts=None):
+    n = len(lead)
+    return served_walk(torch.tensor(lead), torch.tensor(starts or [True] * n), torch.tensor(docs or [0] * n), k)
+
+
+def test_served_walk_drafts_where_an_engine_would():
+    # Never right: a block at every start, nothing accepted.
+    assert walk([0] * 10, 5) == (10, 0)
+    # Always right (the leading run is every slot that exists, ≤ 5): blocks at 0 (5 accepted + the target's token)
+    # and 6 (3 slots left), so τ = 1 + 8 / 2.
+    assert walk([min(5, 9 - i) for i in range(10)], 5) == (2, 8)
+    # k caps the run: with k = 2 the same sequence is drafted at 0, 3, 6 (2 each) and 9 (none left).
+    assert walk([min(5, 9 - i) for i in range(10)], 2) == (4, 6)
+    # A run of 2, then misses: 0 (2), 3, 4, 5 (0 each).
+    assert walk([2, 9, 9, 0, 0, 0], 5) == (4, 2)
+    # Two samples packed in one batch, the prompt positions not starts: each sample's walk begins at its own first
+    # start, whatever the previous one's last block overshot into.
+    lead = [0, 0, 3, 3, 3, 3, 0, 0, 1, 1, 1]
+    starts = [False, False, True, True, True, True, False, False, True, True, True]
+    docs = [0] * 6 + [1] * 5
+    # sample 0: a block at 2 (3 accepted; the next would be at 6, sample 1's prompt); sample 1: blocks at 8 and 10.
+    assert walk(lead, 5, docs, starts) == (3, 5)
+
+
+def test_tau_from_counters_is_the_pass_between_two_snapshots():
+    before = {"drafts": 10, "draft_tokens": 50, "accepted_tokens": 12, "per_pos": [6, 4, 1, 1, 0]}
+    after = {"drafts": 30, "draft_tokens": 150, "accepted_tokens": 42, "per_pos": [20, 12, 6, 3, 1]}
+    got = served.tau_from_counters(before, after)
+    assert got["drafts"] == 20 and got["draft_tokens"] == 100 and got["accepted"] == 30
+    assert got["tau"] == 2.5 and got["accepted_per_pos"] == [14, 8, 5, 2, 1]
+    assert got["accept_per_position"] == [0.7, round(8 / 14, 4), 0.625, 0.4, 0.5]
+    # The first pass of an engine: the per-position counter is not reported before any draft was made.
+    first = served.tau_from_counters({"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}, after)
+    assert first["tau"] == 2.4 and first["accepted_per_pos"] == after["per_pos"]
+
+
+TRAIN_AND_SAVE = r'''
+import json, sys
+from job.trainers import speculators_train as st
+
+export, work, draft = sys.argv[1:4]
+manifest = json.load(open(export + "/export.json"))
+args, model, logged, _ = st.train_steps(export, manifest, manifest["draft_config"], work, 30, ttt_steps=3, seed=0,
+                                        total_seq_len=512)
+st.save_draft(model, args, draft, 3)
+print(json.dumps({"first": logged[0]["loss"], "last": logged[-1]["loss"]}))
+'''
+
+
+@pytest.mark.slow
+def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
+    """The trainer's draft directory, as the acceptance benchmark saves it, loads in vLLM's CPU build as the target's
+    EAGLE-3 speculator without edits, and the engine's own counters count it: 30 training steps on the shared run's
+    export, then 8 of its prompts served greedy with 3 draft tokens. Slow tier: the trainers' environment (~20 s of
+    imports and steps) and one vLLM engine with a draft (~40 s here)."""
+    if not TRAINERS_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail(".venv-trainers is missing: `make test-all` builds it (make trainers)")
+        pytest.skip("no .venv-trainers: run `make trainers` (~1 min)")
+    from job.cli import main
+
+    export, draft = str(tmp_path / "eagle3"), str(tmp_path / "draft")
+    assert main(["export", shared_run.full, "--to", "speculators", "--format", "eagle3", "--output", export]) == 0
+    proc = subprocess.run([str(TRAINERS_PYTHON), "-c", TRAIN_AND_SAVE, export, str(tmp_path / "work"), draft],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.load(open(os.path.join(draft, "config.json")))
+    assert config["speculators_model_type"] == "eagle3" and os.path.isabs(
+        config["speculators_config"]["verifier"]["name_or_path"])
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+    result_path = str(tmp_path / "served.json")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "served_acceptance.py"), "--one", result_path,
+                           "--model", shared_run.model, "--eval-run", shared_run.full, "--draft", draft, "--k", "3",
+                           "--max-tokens", "64", "--sampling", "{}", "--limit", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    greedy = json.load(open(result_path))["greedy"]
+    drafts, pos = greedy["drafts"], greedy["accepted_per_pos"]
+    # One draft of 3 tokens per request per target step; every accepted token counted once, at its position.
+    assert drafts >= 8 and greedy["draft_tokens"] == 3 * drafts, greedy
+    assert len(pos) == 3 and sum(pos) == greedy["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2], greedy
+    # A trained draft is accepted (an untrained one: ~1 % of slots); τ is what the counters say.
+    assert greedy["accepted"] > 0.1 * greedy["draft_tokens"], greedy
+    assert greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4)
