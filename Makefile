@@ -97,9 +97,17 @@ up: install
 	.venv/bin/ray up -y $(CLUSTER)
 down: install
 	.venv/bin/ray down -y $(CLUSTER)
+# One stage of the run on the cluster, through the dashboard tunnel (`make dashboard` in another terminal):
+# STAGE=generate (stage 1, the default; INPUT, OUTPUT, LIMIT) or STAGE=hidden-states (stage 2 over OUTPUT's
+# completions). ARGS: more flags for the job (`--take-lock`, `--allow-drift`). docs/OPERATIONS.md prints what each
+# expands to; tests/test_runbook.py checks that the two agree.
+STAGE ?= generate
+ARGS ?=
 submit: install
+	$(if $(filter generate hidden-states,$(STAGE)),,$(error STAGE=$(STAGE): generate (stage 1) or hidden-states (stage 2)))
+	$(if $(and $(INPUT),$(filter hidden-states,$(STAGE))),$(error INPUT is stage 1's: stage 2 reads the completions of OUTPUT))
 	.venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-		python -m job generate --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT)) $(if $(LIMIT),--limit $(LIMIT))
+		python -m job $(STAGE) --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT)) $(if $(LIMIT),--limit $(LIMIT)) $(ARGS)
 status: install
 	$(PY) -m job status $(OUTPUT)
 dashboard: install
