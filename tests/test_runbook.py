@@ -1,0 +1,114 @@
+"""The runbook's commands are the ones that run (issue 43): what docs/OPERATIONS.md says `make submit`, `make up` and
+`make down` expand to is what the Makefile expands them to (`make -n`); every `make submit` line of the README and
+OPERATIONS is one of those; every `python -m job ...` command of the runbook parses with the job's own parser; and
+the command outputs the docs print (the plans) are what the commands print now (docs/regenerate.py).
+Fast: `make -n` and argparse only, and two `plan` subprocesses."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+
+import pytest
+from conftest import REPO
+
+from job import cli
+
+OPERATIONS = (REPO / "docs" / "OPERATIONS.md").read_text()
+README = (REPO / "README.md").read_text()
+# The docs' shell variables, given values so that make (which would expand `$OUTPUT` itself) sees what a shell passes.
+VALUES = {"$BUCKET": "my-team-datagen", "$OUTPUT": "s3://my-team-datagen/runs/qwen3.6-27b-v1"}
+
+
+def _concrete(text: str) -> str:
+    for name, value in VALUES.items():
+        text = text.replace(name, value)
+    return text
+
+
+def _expansion_table() -> list[tuple[str, str]]:
+    """(make command, its expansion) rows of OPERATIONS' "What `make submit` runs" table."""
+    rows = re.findall(r"^\| `(make [^`]+)` \| `([^`]+)` \|$", OPERATIONS, re.M)
+    assert len(rows) >= 5, rows
+    return rows
+
+
+def _make_n(command: str) -> str:
+    # -o: the install stamp counts as up to date, so only the target's own recipe is printed.
+    argv = ["make", "-n", "-o", ".venv/.installed", *shlex.split(_concrete(command))[1:]]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return " ".join(proc.stdout.replace("\\\n", " ").split())
+
+
+@pytest.mark.parametrize("command, expansion", _expansion_table())
+def test_make_expands_to_what_the_docs_print(command, expansion):
+    assert " ".join(_concrete(expansion).split()) in _make_n(command)
+
+
+def _code_blocks(text: str) -> list[str]:
+    return re.findall(r"```(?:bash|console)\n(.*?)```", text, re.S)
+
+
+def _commands(text: str, prefix: str) -> list[str]:
+    """Every line of the text's bash blocks that starts with `prefix` (after an optional `$ `), its comment cut."""
+    out = []
+    for block in _code_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip().removeprefix("$ ")
+            if line.startswith(prefix):
+                out.append(" ".join(line.split("  #")[0].split()))
+    return out
+
+
+def test_every_make_submit_the_docs_print_is_in_the_table():
+    table = {" ".join(c.split()) for c, _ in _expansion_table()}
+    printed = _commands(OPERATIONS, "make submit") + _commands(README, "make submit")
+    assert len(printed) >= 6, printed
+    for command in printed:
+        assert command in table, f"{command!r} is printed but not in OPERATIONS' expansion table"
+    assert any("STAGE=hidden-states" in c for c in _commands(README, "make submit")), "README: no stage 2 step"
+
+
+def test_make_submit_refuses_what_it_cannot_run():
+    for args, message in ((["STAGE=export"], "generate (stage 1) or hidden-states (stage 2)"),
+                          (["STAGE=hidden-states", "INPUT=s3://b/p/"], "INPUT is stage 1's")):
+        proc = subprocess.run(["make", "-n", "-o", ".venv/.installed", "submit", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_the_runbooks_job_commands_parse():
+    """Every `python -m job ...` of the runbook (OPERATIONS' whole-way block and the README's cluster section, the
+    `ray job submit ... -- python -m job ...` entrypoints included) is accepted by the job's own parser."""
+    whole_way = OPERATIONS[OPERATIONS.index("## The whole way, in commands"):OPERATIONS.index("## What each step")]
+    cluster = README[README.index("## Running on a cluster"):README.index("## The target is a hybrid model")]
+    commands = []
+    for text in (whole_way, cluster):
+        for line in _commands(text, "") + [e for _, e in _expansion_table()]:
+            if "python -m job " in line:
+                commands.append(line.split("python -m job ", 1)[1])
+    assert len(commands) >= 8, commands
+    parser = cli.build_parser()
+    for command in commands:
+        args = shlex.split(_concrete(command.split(" #")[0]))
+        try:
+            parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"`python -m job {command}` does not parse")
+    stages = {shlex.split(c)[0] for c in commands}
+    assert {"plan", "generate", "hidden-states", "status", "export", "train-online"} <= stages, stages
+
+
+def test_the_docs_printed_outputs_are_the_commands_output():
+    """docs/regenerate.py's blocks (the plans in OPERATIONS): a figure the docs print is the command's own. After a
+    change, `.venv/bin/python docs/regenerate.py` rewrites them."""
+    spec = importlib.util.spec_from_file_location("regenerate", REPO / "docs" / "regenerate.py")
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    assert regenerate.MARKER in OPERATIONS
+    for path in regenerate.DOCS:
+        assert regenerate.diff(path) == "", f"{path} is stale: run `.venv/bin/python docs/regenerate.py`\n" + \
+            regenerate.diff(path)
