@@ -2,7 +2,8 @@
 
     python -m job plan --config configs/qwen3.6-27b.yaml --prompts 914000 --tokens-per-prompt 2500 --gpus 8 \
         --tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81
-    # → ~39.7 h, ~$1,209, $0.53 per million output tokens, ~11 GB of completions, ~164 TB of hidden states (every trainer's layers)
+    # → ~39.7 h, ~$1,209, $0.53 per million output tokens, ~11 GB of completions,
+    #   ~164 TB of hidden states (every trainer's layers)
 
     # measure first (a canary-sized run on the real cluster), then plan the full run from it:
     python -m job plan --from s3://my-bucket/runs/canary --prompts 914000 --gpus 8 --usd-per-gpu-hour 3.81
@@ -453,8 +454,9 @@ def layout_of_config(cfg: dict, model_dir: str | None, source: str, estimate: di
         if model_dir:
             raise PlanError(f"--model {model_dir}: no config.json with num_hidden_layers and hidden_size there")
         num_layers, hidden, source = QWEN36_27B.num_layers, QWEN36_27B.hidden_size, f"{source}; shape assumed"
-        note = (f"model {model or '(none named)'}: its config.json is not on this machine, so Qwen3.6-27B's shape (64 layers, hidden "
-                "5,120) is assumed; pass --model DIR (a directory with the model's config.json) to read it")
+        note = (f"model {model or '(none named)'}: its config.json is not on this machine, so Qwen3.6-27B's shape "
+                "(64 layers, hidden 5,120) is assumed; pass --model DIR (a directory with the model's config.json) "
+                "to read it")
     try:
         layer_ids = resolve_layer_ids(hs.get("layer_ids", "every_trainer"), int(num_layers))
     except ConfigError as e:
