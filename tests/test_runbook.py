@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sys
 import subprocess
 
 import pytest
@@ -112,3 +113,31 @@ def test_the_docs_printed_outputs_are_the_commands_output():
     for path in regenerate.DOCS:
         assert regenerate.diff(path) == "", f"{path} is stale: run `.venv/bin/python docs/regenerate.py`\n" + \
             regenerate.diff(path)
+
+
+def test_the_figures_the_docs_repeat_are_the_plans():
+    """README's and OPERATIONS' cost table repeat the plan's figures in round numbers: they are its, rounded."""
+    import json
+
+    def plan(*flags: str) -> dict:
+        argv = ["plan", "--config", "configs/qwen3.6-27b.yaml", "--prompts", "914000", "--tokens-per-prompt", "2500",
+                "--tokens-per-s-per-gpu", "2000", "--usd-per-gpu-hour", "3.81", *flags, "--json"]
+        proc = subprocess.run([sys.executable, "-m", "job", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    on8, on7 = plan("--gpus", "8"), plan("--gpus", "7")
+    ways = on8["hidden_state_ways"]
+    bf16_tb, fp8_tb = ways["stored_bf16"]["bytes"] / 1e12, ways["stored_fp8"]["bytes"] / 1e12
+    cluster = README[README.index("## Running on a cluster"):README.index("## The target is a hybrid model")]
+    assert f"≈{on8['hours']:.0f} h, ≈${round(on8['cost_usd'], -1):,.0f} on 8 GPUs" in cluster
+    assert f"stored in bf16 (~{bf16_tb:.0f} TB)" in cluster
+    row = next(line for line in OPERATIONS.splitlines() if line.startswith("| full run, 914K prompts"))
+    assert f"~{on8['hours']:.0f} h on 8 GPUs ({on7['hours']:.0f} h on 7)" in row
+    assert f"~${round(on8['cost_usd'], -1):,.0f}" in row
+    row = next(line for line in OPERATIONS.splitlines() if line.startswith("| keeping outputs in S3"))
+    month = on8["hidden_state_usd_per_month"]
+    assert f"hidden states ~{bf16_tb:.0f} TB ≈ ${round(month, -2):,.0f}/month" in row
+    assert f"FP8: ~{fp8_tb:.0f} TB ≈ ${round(ways['stored_fp8']['storage_usd'], -2):,.0f}" in row
+    assert f"completions ~{on8['completion_bytes'] / 1e9:.0f} GB" in row
