@@ -82,7 +82,8 @@ $(TRAINERS_STAMP): job/trainers/requirements.txt
 	touch $(TRAINERS_STAMP)
 
 # The acceptance benchmark (docs/BENCHMARKS.md, "What the data is worth"): a speculators EAGLE-3 draft trained on
-# regenerated, wrong-template and original data from the same prompts, scored on held-out prompts. ~20 min here.
+# regenerated, wrong-template and original data from the same prompts, scored on held-out prompts. ~20 min here
+# (19.6 min measured in a fresh clone, docs/BENCHMARKS.md).
 # ACCEPTANCE_ARGS=--served also serves each draft with the target in vLLM's CPU build and counts τ by the engine's
 # own spec-decode counters (bench/served_acceptance.py; 5 more engines, not yet timed end to end here).
 ACCEPTANCE_ARGS ?=
@@ -100,9 +101,17 @@ up: install
 	.venv/bin/ray up -y $(CLUSTER)
 down: install
 	.venv/bin/ray down -y $(CLUSTER)
+# One stage of the run on the cluster, through the dashboard tunnel (`make dashboard` in another terminal):
+# STAGE=generate (stage 1, the default; INPUT, OUTPUT, LIMIT) or STAGE=hidden-states (stage 2 over OUTPUT's
+# completions). ARGS: more flags for the job (`--take-lock`, `--allow-drift`). docs/OPERATIONS.md prints what each
+# expands to; tests/test_runbook.py checks that the two agree.
+STAGE ?= generate
+ARGS ?=
 submit: install
+	$(if $(filter generate hidden-states,$(STAGE)),,$(error STAGE=$(STAGE): generate (stage 1) or hidden-states (stage 2)))
+	$(if $(and $(INPUT),$(filter hidden-states,$(STAGE))),$(error INPUT is stage 1's: stage 2 reads the completions of OUTPUT))
 	.venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-		python -m job generate --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT)) $(if $(LIMIT),--limit $(LIMIT))
+		python -m job $(STAGE) --config $(CONFIG) $(if $(INPUT),--input $(INPUT)) $(if $(OUTPUT),--output $(OUTPUT)) $(if $(LIMIT),--limit $(LIMIT)) $(ARGS)
 status: install
 	$(PY) -m job status $(OUTPUT)
 dashboard: install

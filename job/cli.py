@@ -8,7 +8,8 @@ line, exit 2.
     python -m job train-check EXPORT_DIR... [--steps 5]      # needs `make trainers`
     python -m job train-online --config C.yaml --output RUN --to speculators --format eagle3 --storage-path DIR
     python -m job status RUN
-    python -m job plan --prompts N --tokens-per-prompt T --gpus G --tokens-per-s-per-gpu R --usd-per-gpu-hour P
+    python -m job plan [--config C.yaml | --from RUN] --prompts N --tokens-per-prompt T --gpus G \
+        --tokens-per-s-per-gpu R --usd-per-gpu-hour P
     python -m job tiny-model --output DIR
     python -m job demo
 
@@ -155,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/runview/plan.py)", parents=run_dir,
                         description=plan.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="example: python -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 7 "
-                               "--tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81\n"
+                        epilog="example: python -m job plan --config configs/qwen3.6-27b.yaml --prompts 914000 "
+                               "--tokens-per-prompt 2500 --gpus 8 --tokens-per-s-per-gpu 2000 "
+                               "--usd-per-gpu-hour 3.81\n"
                                "the arithmetic and the benchmark file format: job/runview/plan.py")
     pl.add_argument("--prompts", type=int, help="prompts to complete (default with --from: the run's total rows)")
     pl.add_argument("--tokens-per-prompt", type=float, help="mean output tokens per prompt (reasoning + answer)")
@@ -164,10 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tokens-per-s-per-gpu", type=float, help="output tokens/s one GPU sustains at full batch")
     pl.add_argument("--usd-per-gpu-hour", type=float, help="price of one GPU-hour (node price / GPUs per node)")
     pl.add_argument("--prompt-tokens-per-prompt", type=float, help="mean prompt tokens (storage only; default 0)")
+    pl.add_argument("--config", metavar="C.yaml",
+                    help="the run config the run will use: the stored layers and their dtype "
+                         "(hidden_states.layer_ids, .dtype), tensor_parallel_size, rows per shard and max_tokens "
+                         "from it, the model's shape from its config.json (default: the --from run's own config)")
+    pl.add_argument("--model", metavar="DIR",
+                    help="a directory with the model's config.json, when the config's model path is not on this "
+                         "machine (without one: Qwen3.6-27B's shape, and the plan says so)")
     pl.add_argument("--hidden-bytes-per-token", type=float,
-                    help="stage-2 bytes per token: layers × hidden size × 2 (default "
-                         f"{plan.DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = 7 × 5120 × bf16: Qwen3.6-27B, every "
-                         "trainer's layers; DFlash's 5 alone: 51,200)")
+                    help="stage-2 bytes per token, overriding the layers' (layers × hidden size × 2 + 5; default: "
+                         "from --config or --from, else "
+                         f"{plan.DEFAULT_HIDDEN_BYTES_PER_TOKEN:,} = Qwen3.6-27B's 7 layers × 5,120 × bf16 + 5)")
     pl.add_argument("--completion-bytes-per-token", type=float,
                     help=f"completion shard bytes per output token (default {plan.DEFAULT_COMPLETION_BYTES_PER_TOKEN})")
     pl.add_argument("--usd-per-gb-month", type=float, default=plan.DEFAULT_USD_PER_GB_MONTH,

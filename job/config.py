@@ -266,8 +266,9 @@ class HiddenStatesConfig:
     """Largest relative L2 difference per (sample, layer) the self-check accepts, over the sample and over its first
     16 tokens. None: 1e-3 for float32, 0.05 for bfloat16/float16 (job/hidden_states/checks.py says why)."""
     rows_per_shard: int = 32
-    """Rows per hidden-state shard. Features are big (5 layers x 5120 x 2 B = 51 KB per token): 32 rows of
-    ~2.5K tokens is ~4 GB per shard for Qwen3.6-27B, all of which an extractor holds in memory while writing."""
+    """Rows per hidden-state shard. Features are big (every trainer's 7 layers x 5120 x 2 B = 72 KB per token): 32
+    rows of ~2.5K tokens is ~5.7 GB per shard for Qwen3.6-27B, all of which an extractor holds in memory while
+    writing (configs/qwen3.6-27b.yaml keeps 8)."""
     num_workers: int | None = None
     """Extractor actors. None = cluster GPUs, or 1 on CPU."""
     min_rms: float = 1e-5

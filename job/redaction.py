@@ -5,7 +5,9 @@ driver's and the actors' stdout/stderr and logging (`install`), the command line
 
 What is redacted (replaced by REDACTED):
 - by name: the value under a key named like a secret (`hf_token`, `apiKey`, `AWS_SECRET_ACCESS_KEY`,
-  `SIGNING_PASSPHRASE`, `SENTRY_DSN`, `GH_PAT`), at any depth;
+  `SIGNING_PASSPHRASE`, `SENTRY_DSN`, `GH_PAT`), at any depth; a name that is a figure, an id or a piece of the
+  model (`bytes_per_token`, `num_tokens`, `pad_token_id`, `num_key_value_heads`) is data and kept as written, as is
+  prose ("bytes per token: layers × hidden size × 2");
 - by value, wherever it appears in a string:
   - URL credentials: a password (`https://user:pw@host`) or a user part alone (a DSN: `https://<key>@host/1`);
   - query parameters that carry credentials (`X-Amz-Signature`, `X-Amz-Credential`, `X-Amz-Security-Token`,
@@ -31,19 +33,45 @@ REDACTED = "<redacted>"
 
 # Words that make a key a secret's name, matched as whole words of the key (split at `_`, `-`, `.`, spaces and
 # camelCase): `hf_token` and `apiKey` are secrets, `max_tokens` and `num_speculative_tokens` are not.
-_SECRET_WORDS = {"key", "apikey", "accountkey", "secret", "token", "password", "passwd", "pwd", "passphrase",
-                 "credential", "credentials", "authorization", "cookie", "session", "signature", "sig",
-                 "dsn", "pat", "sas"}
+# Strong words name a secret whatever surrounds them; weak ones are also everyday words of this job (a model's
+# tokens, a dict's keys, Ray's session) and name a secret only when no word of the key makes it a figure, an id, a
+# path or a piece of the model: `bytes_per_token`, `pad_token_id`, `num_key_value_heads`, `session_dir` are data and
+# are kept as written, `HF_TOKEN`, `AWS_SESSION_TOKEN`, `AWS_ACCESS_KEY_ID`, `private_key` are redacted.
+_STRONG_SECRET_WORDS = {"apikey", "accountkey", "secret", "password", "passwd", "pwd", "passphrase", "credential",
+                        "credentials", "authorization", "cookie", "dsn", "pat", "sas"}
+_WEAK_SECRET_WORDS = {"key", "token", "session", "signature", "sig"}
+_NOT_A_SECRET_WORDS = {
+    # figures: how many, how big, per what
+    "per", "num", "max", "min", "count", "bytes", "size", "dim", "len", "length", "lengths", "total", "rate", "freq",
+    # a vocabulary's special tokens and their ids, and pieces of a model
+    "id", "ids", "pad", "bos", "eos", "unk", "sep", "cls", "mask", "loss", "image", "video", "vision", "added",
+    "heads", "head", "layer", "value", "values", "past", "embedding", "lm", "weighted", "wise", "alignment", "dict",
+    "row", "dynamic", "shapes", "tokens", "column", "stage", "trainer", "measured", "cache", "sort", "partition",
+    "end", "turn",
+    # where a secret is, not the secret
+    "dir", "path", "file", "name",
+}
+# `id` says "a vocabulary's token id" after `token`; after `key` it is AWS_ACCESS_KEY_ID, a credential.
+_KEY_ID = ("key", "id")
 
 
 def _words(key: str) -> list[str]:
     return [w.lower() for w in re.split(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])", str(key)) if w]
 
 
+def _names_a_secret(words: list[str]) -> bool:
+    if any(w in _STRONG_SECRET_WORDS for w in words) or ("connection" in words and "string" in words):
+        return True
+    if not any(w in _WEAK_SECRET_WORDS for w in words):
+        return False
+    if any(words[i:i + 2] == list(_KEY_ID) for i in range(len(words) - 1)):
+        return True
+    return not any(w in _NOT_A_SECRET_WORDS for w in words)
+
+
 def is_secret_name(key: str) -> bool:
-    """Whether `key` names a secret (see _SECRET_WORDS). A connection string is one whatever its words."""
-    words = _words(key)
-    return any(w in _SECRET_WORDS for w in words) or ("connection" in words and "string" in words)
+    """Whether `key` names a secret (see _STRONG_SECRET_WORDS). A connection string is one whatever its words."""
+    return _names_a_secret(_words(key))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,6 +115,16 @@ def _token_shapes() -> list[re.Pattern]:
     return _shapes
 
 
+def _prose_words(m: re.Match) -> list[str]:
+    """The two words before a `key: value` match on its line: in prose the key is the last word of a phrase ("bytes
+    per token: 4 × hidden size", "loss-mask token: an empty completion"), and the phrase decides."""
+    line_start = m.string.rfind("\n", 0, m.start()) + 1
+    before = m.string[line_start:m.start()]
+    if before and not before[-1].isspace():
+        return []  # inside a longer token (a URL's query): the key alone decides
+    return _words(" ".join(before.split()[-2:]))
+
+
 def redact_text(text: str) -> str:
     """`text` with every secret the value patterns find replaced by REDACTED (see the module docstring)."""
     if not text or not isinstance(text, str):
@@ -98,7 +136,8 @@ def redact_text(text: str) -> str:
         return f"{m['scheme']}{REDACTED}@" if m["user"] else m[0]
 
     def key_value(m: re.Match) -> str:
-        if m["value"] == REDACTED or not is_secret_name(m["key"]):
+        prose = _prose_words(m) if m["sep"].strip() == ":" else []  # `name=value` is never prose: the name decides
+        if m["value"] == REDACTED or not _names_a_secret(prose + _words(m["key"])):
             return m[0]
         if m["sep"].strip() == ":" and m["sep"] != ":" and m["value"].isalpha() and m["value"].islower() and \
                 len(m["value"]) <= 4:

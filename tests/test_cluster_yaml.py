@@ -148,3 +148,36 @@ def test_iam_policies_in_the_runbook_are_least_privilege():
 
 def _list(x):
     return x if isinstance(x, list) else [x]
+
+
+def test_gpu_workers_install_and_check_the_gpu_extra(cluster):
+    """Issue 43: stage 2 on the hybrid target needs flash-linear-attention (the `gpu` extra) on every GPU node; the
+    head does no GPU work and keeps the plain install."""
+    import tomllib
+
+    extras = tomllib.loads(open(os.path.join(ROOT, "pyproject.toml")).read())["project"]["optional-dependencies"]
+    assert any(d.startswith("flash-linear-attention") for d in extras["gpu"])
+    worker = " ; ".join(cluster["worker_setup_commands"])
+    assert re.search(r"pip install .*-c /tmp/image-pins\.txt -e \"\$HOME/drafter-datagen\[gpu\]\"", worker), worker
+    assert "import fla" in worker  # a worker without it fails its setup, not 10x slower mid-run
+    # Every node type that has GPUs gets the worker setup (none overrides it); the head has none.
+    for name, node in cluster["available_node_types"].items():
+        if node["resources"].get("GPU"):
+            assert "worker_setup_commands" not in node, name
+    assert "[gpu]" not in " ".join(cluster["setup_commands"] + cluster["head_setup_commands"])
+
+
+@pytest.mark.parametrize("cuda, fla, gdn, expected", [
+    (True, True, "varlen", "Gated DeltaNet flash-linear-attention's varlen kernels, once per packed batch"),
+    (True, False, "per_sequence", ">10x slower: flash-linear-attention is not installed"),
+    (False, False, "per_sequence", "Gated DeltaNet transformers' torch reference (CPU)"),
+])
+def test_stage_2_names_its_kernel_path(cuda, fla, gdn, expected):
+    from job.hidden_states.transformers_backend import describe_kernel_path
+
+    line = describe_kernel_path(cuda=cuda, attention="packed" if cuda else "padded", gdn=gdn,
+                                fuse="compile" if cuda else "off", hybrid=True, fla=fla)
+    assert expected in line, line
+    dense = describe_kernel_path(cuda=False, attention="padded", gdn="per_sequence", fuse="off", hybrid=False,
+                                 fla=False)
+    assert "Gated DeltaNet" not in dense and "attention padded" in dense

@@ -13,6 +13,8 @@ model; ~1-2 minutes on 2 cores.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
@@ -202,12 +204,15 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     token = env["HF_TOKEN"]
     config = tmp_path / "config.yaml"
     config.write_text((REPO / "configs" / "demo.yaml").read_text().replace(
-        "env_vars:", "env_vars:\n  HF_TOKEN: ${HF_TOKEN}"))
+        "env_vars:", "env_vars:\n  HF_TOKEN: ${HF_TOKEN}").replace("canary_rows: 32", "canary_rows: 8"))
+    # A user's own chat template (issue 43), named by a path relative to the working directory: the file travels
+    # with `--working-dir .` and the canary judges the prompts it renders (its generation prompt is the model's).
+    user_template = "tests/data/user_chat_template.jinja"
     # The working dir is uploaded without .gitignored paths (.venv, .cache): the model and data are passed as
     # absolute paths on this machine, as a cluster job would name S3 URIs or node-local paths.
     entrypoint = ["python", "-m", "job", "generate", "--config", str(config),
                   "--model", os.path.abspath(tiny_model_dir), "--input", prompts, "--output", output,
-                  "--limit", str(NUM_ROWS)]
+                  "--limit", str(NUM_ROWS), "--chat-template", user_template]
     metrics_seen: set[str] = set()
     job_status, logs = _submit(address, env, entrypoint, metrics_url, metrics_seen)
     if "succeeded" not in job_status.lower() and "Engine core initialization failed" in logs:
@@ -222,6 +227,11 @@ def test_ray_job_submit_round_trip(ray_head, tiny_model_dir, tmp_path):
     assert progress and progress[-1].startswith(f"[generate] {NUM_ROWS}/{NUM_ROWS} rows (100.0%)"), logs[-4000:]
     assert "\r" not in "".join(progress)
     assert "ray: joined the cluster at" in logs  # `ray job submit` sets RAY_ADDRESS: the job says where it runs
+    assert re.search(r"\ncanary passed on the first \d+ rows\n", logs), logs[-4000:]  # its first unit's rows
+    assert "template_mismatch         0    0.0%" in logs
+    run_json = json.loads((Path(output) / "run.json").read_text())
+    template_sha = hashlib.sha256((REPO / user_template).read_bytes()).hexdigest()[:16]
+    assert run_json["generate"]["identity"]["chat_template_sha"] == template_sha  # the user's file, read by the job
 
     # The same head still running, a user runs stage 2 on this machine without RAY_ADDRESS (`make demo` does the
     # same). A plain ray.init() would find the head through ray_current_cluster and refuse num_cpus with a raw

