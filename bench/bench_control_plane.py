@@ -101,6 +101,7 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
     resolved_sampling(model, config.generate.sampling)
     base = rss_mib()
     out = io.StringIO()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(out):
         if step == "a":
@@ -123,7 +124,9 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
             report.build_report(run, config.storage)
             notebook.read_rows(run, storage_config=config.storage)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+    return {"seconds": seconds, "cpu_s": cpu, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_after_imports_mib": base, "output": out.getvalue()[-400:]}
 
 
@@ -340,6 +343,15 @@ def command(args_: list[str], run: str, inp: str, model: str, endpoint: str | No
     return {"wall_s": wall, "requests": requests_made(endpoint), "output": (p.stdout + p.stderr)[-600:]}
 
 
+# S3 Standard request prices (us-east-1 / us-west-2, 2026): GET, HEAD and other reads $0.0004 per 1,000; PUT, COPY,
+# POST and LIST $0.005 per 1,000; DELETE free.
+USD_PER_1000 = {"GET": 0.0004, "HEAD": 0.0004, "PUT": 0.005, "POST": 0.005, "LIST": 0.005, "DELETE": 0.0}
+
+
+def usd(requests: dict) -> float:
+    return sum(USD_PER_1000.get(k, 0.005) * v / 1000 for k, v in requests.items())
+
+
 def fmt_requests(r: dict) -> str:
     if not r:
         return "-"
@@ -377,6 +389,8 @@ def main() -> None:
             args.model = ensure_tiny_model(os.path.join(workdir, "tiny-model"), train_steps=0)
     server, endpoint = start_server() if "s3" in args.where else (None, None)
     print(f"load: {os.getloadavg()}; {os.cpu_count()} CPUs; workdir {workdir}", flush=True)
+    print("| step | where | shards | seconds | driver CPU s | S3 requests | S3 $ | peak RSS MiB (over imports) | load |"
+          "\n|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     try:
         for n in args.shards:
@@ -387,14 +401,16 @@ def main() -> None:
                 for step in args.steps:
                     r = child(step, run, inp, args.model, endpoint if where == "s3" else None)
                     rows.append((STEPS[step], where, n, r))
-                    print(f"| {STEPS[step]} | {where} | {n:,} | {r['seconds']:.1f} | {fmt_requests(r['requests'])} | "
+                    print(f"| {STEPS[step]} | {where} | {n:,} | {r['seconds']:.1f} | {r['cpu_s']:.1f} | "
+                          f"{fmt_requests(r['requests'])} | {usd(r['requests']):.4f} | "
                           f"{r['peak_rss_mib']:.0f} ({r['peak_rss_mib'] - r['rss_after_imports_mib']:+.0f}) | "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
                 if args.rerun:
                     for cmd in (["generate"], ["hidden-states"]):
                         r = command(cmd, run, inp, args.model, endpoint if where == "s3" else None)
                         print(f"rerun `{cmd[0]}` {where} {n:,}: {r['wall_s']:.1f} s wall, "
-                              f"{fmt_requests(r['requests'])}; ends: {r['output'][-300:]!r}", flush=True)
+                              f"{fmt_requests(r['requests'])} (${usd(r['requests']):.4f}); ends: "
+                              f"{r['output'][-300:]!r}", flush=True)
     finally:
         if server is not None:
             server.terminate()
