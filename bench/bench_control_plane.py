@@ -183,8 +183,10 @@ def write_run_json(config) -> tuple[list, object]:
     return files, carried
 
 
-def write_shards(config, files, carried, rows_per_shard: int, num_threads: int = 8) -> None:
-    """Completion shard, stage-2 part and marker of every unit, through the project's writers."""
+def write_shards(config, files, carried, rows_per_shard: int, tokens_per_row: int, num_threads: int = 8) -> None:
+    """Completion shard, stage-2 part and marker of every unit, through the project's writers. `tokens_per_row`
+    output token ids per row (random, so zstd cannot squeeze them away): what lies between a shard's id column and
+    its small columns, so that reading those is as many requests as on a real shard."""
     import hashlib
 
     import numpy as np
@@ -203,10 +205,12 @@ def write_shards(config, files, carried, rows_per_shard: int, num_threads: int =
                                             dtype="bfloat16", num_model_layers=shape.num_layers)
     n, tokens = rows_per_shard, 4
     fixed = {schema.PROMPT_TOKEN_IDS: pa.array([[1, 2]] * n, pa.list_(pa.int32())),
-             schema.OUTPUT_TOKEN_IDS: pa.array([[3, 4]] * n, pa.list_(pa.int32())),
+             schema.OUTPUT_TOKEN_IDS: pa.ListArray.from_arrays(
+                 pa.array(np.arange(n + 1, dtype=np.int32) * tokens_per_row),
+                 pa.array(np.random.default_rng(0).integers(0, 3792, n * tokens_per_row, dtype=np.int32))),
              schema.REASONING: pa.array(["r"] * n), schema.ANSWER: pa.array(["a"] * n),
              schema.FINISH_REASON: pa.array(["stop"] * n), schema.NUM_PROMPT_TOKENS: pa.array([2] * n, pa.int32()),
-             schema.NUM_OUTPUT_TOKENS: pa.array([2] * n, pa.int32()),
+             schema.NUM_OUTPUT_TOKENS: pa.array([tokens_per_row] * n, pa.int32()),
              schema.NUM_REASONING_TOKENS: pa.array([1] * n, pa.int32()),
              schema.NUM_ANSWER_TOKENS: pa.array([1] * n, pa.int32()), schema.SEED: pa.array([0] * n, pa.int64()),
              schema.TURN: pa.array([0] * n, pa.int32()), schema.ORIGINAL_TURN_TOKENS: pa.array([0] * n, pa.int32()),
@@ -263,19 +267,25 @@ def upload(local_run: str, s3_run: str, endpoint: str, num_threads: int = 16) ->
     return len(paths)
 
 
-def build(where: str, num_shards: int, rows_per_shard: int, workdir: str, model: str, endpoint: str | None) -> tuple:
+def build(where: str, num_shards: int, rows_per_shard: int, tokens_per_row: int, workdir: str, model: str,
+          endpoint: str | None) -> tuple:
     """(run URI, input URI) of a finished run of `num_shards` shards, built for `where` (local or s3)."""
-    local_run, local_inp = os.path.join(workdir, f"run-{num_shards}"), os.path.join(workdir, f"in-{num_shards}")
+    from job import storage
+
+    name = f"{num_shards}-t{tokens_per_row}"
+    local_run, local_inp = os.path.join(workdir, f"run-{name}"), os.path.join(workdir, f"in-{num_shards}")
     if not os.path.exists(os.path.join(local_run, "run.json")):
         config = bench_config(local_run, local_inp, model)
-        write_input(local_inp, num_shards, rows_per_shard, config.storage)
+        if not os.path.exists(local_inp):
+            write_input(local_inp, num_shards, rows_per_shard, config.storage)
         files, carried = write_run_json(config)
-        write_shards(config, files, carried, rows_per_shard)
+        write_shards(config, files, carried, rows_per_shard, tokens_per_row)
     if where == "local":
         return local_run, local_inp
-    s3_run, s3_inp = f"s3://{BUCKET}/run-{num_shards}", f"s3://{BUCKET}/in-{num_shards}"
+    s3_run, s3_inp = f"s3://{BUCKET}/run-{name}", f"s3://{BUCKET}/in-{num_shards}"
     config = bench_config(s3_run, s3_inp, model)
-    write_input(s3_inp, num_shards, rows_per_shard, config.storage)
+    if not storage.list_files(s3_inp, ".parquet", config.storage):
+        write_input(s3_inp, num_shards, rows_per_shard, config.storage)
     write_run_json(config)
     upload(local_run, s3_run, endpoint)
     return s3_run, s3_inp
@@ -365,6 +375,9 @@ def main() -> None:
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     parser.add_argument("--steps", default="abcde")
     parser.add_argument("--rows-per-shard", type=int, default=128, help="the seed: 914K prompts in ~7,200 shards")
+    parser.add_argument("--tokens-per-row", type=int, default=2, help="output token ids per row: 2 keeps 20,000 "
+                        "shards small (7 KB: every read of a shard is its one tail read); 400 makes ~90 KB shards "
+                        "whose small columns lie outside the tail, as a real shard's do")
     parser.add_argument("--model", help="default: .cache/tiny-model, else the tiny model's recipe untrained (no step "
                         "runs it: the driver reads its config, generation config and file digests)")
     parser.add_argument("--rerun", action="store_true", help="also time `python -m job generate` and "
@@ -396,7 +409,7 @@ def main() -> None:
         for n in args.shards:
             for where in args.where:
                 t0 = time.perf_counter()
-                run, inp = build(where, n, args.rows_per_shard, workdir, args.model, endpoint)
+                run, inp = build(where, n, args.rows_per_shard, args.tokens_per_row, workdir, args.model, endpoint)
                 print(f"built {where} {n:,} shards in {time.perf_counter() - t0:.0f} s: {run}", flush=True)
                 for step in args.steps:
                     r = child(step, run, inp, args.model, endpoint if where == "s3" else None)
