@@ -1,7 +1,8 @@
 """The control plane at the seed's scale: what every command costs before (or instead of) any engine, on a run
 directory of N completion shards and N stage-2 parts, locally and on S3 (issue 48).
 
-    flock /tmp/heavy.lock .venv/bin/python bench/bench_control_plane.py --shards 7200 20000 --where local s3
+    flock /tmp/heavy.lock .venv/bin/python bench/bench_control_plane.py --shards 7200 20000 --where s3 local \
+        [--steps abcder] [--tokens-per-row 2] [--workdir DIR]
 
 Builds, with the project's own writers, a finished run: an input of N × rows-per-shard prompts (parquet files of
 1,000 units each), run.json (as stage 1's first start writes it: identity, the input's ids digests and content
@@ -21,7 +22,8 @@ after its imports, with the S3 requests it made and its peak RSS:
   d. export selection    scan.done_hidden_state_parts (what export, `load` and the notebook read)
   e. notebook opening    run_overview, build_status, generate.report.build_report, notebook.read_rows (the cells
                          up to `rows`)
-and, with --rerun, the whole `python -m job generate` / `hidden-states` commands on the finished run (wall time).
+  r. rerun               the whole `python -m job generate` and `hidden-states` commands on the finished run (wall
+                         time, imports included): a rerun that has nothing to do.
 """
 
 from __future__ import annotations
@@ -362,6 +364,15 @@ def usd(requests: dict) -> float:
     return sum(USD_PER_1000.get(k, 0.005) * v / 1000 for k, v in requests.items())
 
 
+def rerun(run: str, inp: str, model: str, endpoint: str | None, where: str, n: int) -> None:
+    """Step r: `python -m job generate` and `hidden-states` on the finished run, whole commands."""
+    for cmd in (["generate"], ["hidden-states"]):
+        r = command(cmd, run, inp, model, endpoint)
+        print(f"rerun `{cmd[0]}` {where} {n:,}: {r['wall_s']:.1f} s wall, {fmt_requests(r['requests'])} "
+              f"(${usd(r['requests']):.4f}), load {os.getloadavg()[0]:.1f}; ends: {r['output'][-300:]!r}",
+              flush=True)
+
+
 def fmt_requests(r: dict) -> str:
     if not r:
         return "-"
@@ -373,15 +384,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shards", type=int, nargs="+", default=[7200, 20000])
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
-    parser.add_argument("--steps", default="abcde")
+    parser.add_argument("--steps", default="abcde", help="in this order; r: the whole `generate` and "
+                        "`hidden-states` commands on the finished run (wall time, imports included)")
     parser.add_argument("--rows-per-shard", type=int, default=128, help="the seed: 914K prompts in ~7,200 shards")
     parser.add_argument("--tokens-per-row", type=int, default=2, help="output token ids per row: 2 keeps 20,000 "
                         "shards small (7 KB: every read of a shard is its one tail read); 400 makes ~90 KB shards "
                         "whose small columns lie outside the tail, as a real shard's do")
     parser.add_argument("--model", help="default: .cache/tiny-model, else the tiny model's recipe untrained (no step "
                         "runs it: the driver reads its config, generation config and file digests)")
-    parser.add_argument("--rerun", action="store_true", help="also time `python -m job generate` and "
-                        "`hidden-states` on the finished run, whole commands")
     parser.add_argument("--workdir", help="keep the built runs here (reused when there)")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -412,18 +422,15 @@ def main() -> None:
                 run, inp = build(where, n, args.rows_per_shard, args.tokens_per_row, workdir, args.model, endpoint)
                 print(f"built {where} {n:,} shards in {time.perf_counter() - t0:.0f} s: {run}", flush=True)
                 for step in args.steps:
+                    if step == "r":
+                        rerun(run, inp, args.model, endpoint if where == "s3" else None, where, n)
+                        continue
                     r = child(step, run, inp, args.model, endpoint if where == "s3" else None)
                     rows.append((STEPS[step], where, n, r))
                     print(f"| {STEPS[step]} | {where} | {n:,} | {r['seconds']:.1f} | {r['cpu_s']:.1f} | "
                           f"{fmt_requests(r['requests'])} | {usd(r['requests']):.4f} | "
                           f"{r['peak_rss_mib']:.0f} ({r['peak_rss_mib'] - r['rss_after_imports_mib']:+.0f}) | "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
-                if args.rerun:
-                    for cmd in (["generate"], ["hidden-states"]):
-                        r = command(cmd, run, inp, args.model, endpoint if where == "s3" else None)
-                        print(f"rerun `{cmd[0]}` {where} {n:,}: {r['wall_s']:.1f} s wall, "
-                              f"{fmt_requests(r['requests'])} (${usd(r['requests']):.4f}); ends: "
-                              f"{r['output'][-300:]!r}", flush=True)
     finally:
         if server is not None:
             server.terminate()
