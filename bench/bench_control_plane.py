@@ -2,7 +2,7 @@
 directory of N completion shards and N stage-2 parts, locally and on S3 (issue 48).
 
     flock /tmp/heavy.lock .venv/bin/python bench/bench_control_plane.py --shards 7200 20000 --where s3 local \
-        [--steps abcder] [--tokens-per-row 2] [--workdir DIR]
+        [--steps abcdegh] [--tokens-per-row 2] [--workdir DIR]
 
 Builds, with the project's own writers, a finished run: an input of N × rows-per-shard prompts (parquet files of
 1,000 units each), run.json (as stage 1's first start writes it: identity, the input's ids digests and content
@@ -22,7 +22,7 @@ after its imports, with the S3 requests it made and its peak RSS:
   d. export selection    scan.done_hidden_state_parts (what export, `load` and the notebook read)
   e. notebook opening    run_overview, build_status, generate.report.build_report, notebook.read_rows (the cells
                          up to `rows`)
-  r. rerun               the whole `python -m job generate` and `hidden-states` commands on the finished run (wall
+  g, h. rerun            the whole `python -m job generate` / `hidden-states` command on the finished run (wall
                          time, imports included): a rerun that has nothing to do.
 """
 
@@ -364,13 +364,14 @@ def usd(requests: dict) -> float:
     return sum(USD_PER_1000.get(k, 0.005) * v / 1000 for k, v in requests.items())
 
 
-def rerun(run: str, inp: str, model: str, endpoint: str | None, where: str, n: int) -> None:
-    """Step r: `python -m job generate` and `hidden-states` on the finished run, whole commands."""
-    for cmd in (["generate"], ["hidden-states"]):
-        r = command(cmd, run, inp, model, endpoint)
-        print(f"rerun `{cmd[0]}` {where} {n:,}: {r['wall_s']:.1f} s wall, {fmt_requests(r['requests'])} "
-              f"(${usd(r['requests']):.4f}), load {os.getloadavg()[0]:.1f}; ends: {r['output'][-300:]!r}",
-              flush=True)
+RERUNS = {"g": "generate", "h": "hidden-states"}
+
+
+def rerun(cmd: str, run: str, inp: str, model: str, endpoint: str | None, where: str, n: int) -> None:
+    """Steps g, h: `python -m job generate` / `hidden-states` on the finished run, the whole command."""
+    r = command([cmd], run, inp, model, endpoint)
+    print(f"rerun `{cmd}` {where} {n:,}: {r['wall_s']:.1f} s wall, {fmt_requests(r['requests'])} "
+          f"(${usd(r['requests']):.4f}), load {os.getloadavg()[0]:.1f}; ends: {r['output'][-300:]!r}", flush=True)
 
 
 def fmt_requests(r: dict) -> str:
@@ -384,8 +385,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shards", type=int, nargs="+", default=[7200, 20000])
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
-    parser.add_argument("--steps", default="abcde", help="in this order; r: the whole `generate` and "
-                        "`hidden-states` commands on the finished run (wall time, imports included)")
+    parser.add_argument("--steps", default="abcde", help="in this order; g, h: the whole `generate` / "
+                        "`hidden-states` command on the finished run (wall time, imports included)")
     parser.add_argument("--rows-per-shard", type=int, default=128, help="the seed: 914K prompts in ~7,200 shards")
     parser.add_argument("--tokens-per-row", type=int, default=2, help="output token ids per row: 2 keeps 20,000 "
                         "shards small (7 KB: every read of a shard is its one tail read); 400 makes ~90 KB shards "
@@ -422,8 +423,8 @@ def main() -> None:
                 run, inp = build(where, n, args.rows_per_shard, args.tokens_per_row, workdir, args.model, endpoint)
                 print(f"built {where} {n:,} shards in {time.perf_counter() - t0:.0f} s: {run}", flush=True)
                 for step in args.steps:
-                    if step == "r":
-                        rerun(run, inp, args.model, endpoint if where == "s3" else None, where, n)
+                    if step in RERUNS:
+                        rerun(RERUNS[step], run, inp, args.model, endpoint if where == "s3" else None, where, n)
                         continue
                     r = child(step, run, inp, args.model, endpoint if where == "s3" else None)
                     rows.append((STEPS[step], where, n, r))
