@@ -514,11 +514,39 @@ def open_shard_file(uri: str, storage: StorageConfig | None = None) -> pa.Python
     return pa.PythonFile(TailFile(size, tail, lambda offset, n: read_range(uri, offset, n, storage)), mode="r")
 
 
+_MAGIC = b"ARROW1"
+
+
+def footer_schema(tail: bytes, size: int) -> pa.Schema | None:
+    """The schema in an Arrow IPC file's footer, from the file's last bytes alone (`tail`, of a file of `size`
+    bytes), parsed from memory: the footer (then its length, then the magic) ends the file. None when the tail does
+    not hold all of it (the caller reads the file then). A file whose tail ends in the magic but holds no valid
+    footer raises pa.ArrowInvalid, as pyarrow does for the whole file. Only the schema: the footer's record-batch
+    offsets point into the rest of the file, which this does not have."""
+    if len(tail) == size:
+        return ipc.open_file(pa.BufferReader(tail)).schema
+    if len(tail) < 10 or tail[-6:] != _MAGIC:
+        return None
+    footer = int.from_bytes(tail[-10:-6], "little", signed=True)
+    if not 0 < footer <= len(tail) - 10:
+        return None
+    # Magic, padding, then the footer as the file ends: what pyarrow's reader looks at to find the schema. Parsed
+    # in memory this is ~0.05 ms; through a Python file object (TailFile) 0.6 ms, 12 s of driver CPU at 20,000.
+    return ipc.open_file(pa.BufferReader(_MAGIC + b"\0\0" + tail[-footer - 10:])).schema
+
+
 def read_shard_schema(uri: str, storage: StorageConfig | None = None) -> pa.Schema:
     """The schema (with its metadata) of one Arrow IPC file, from its footer alone: one read (on S3 one GET; it was
     a HEAD and two GETs). A file that is not whole (truncated, zero bytes) has no footer and raises pa.ArrowInvalid."""
-    return with_retries(lambda: ipc.open_file(open_shard_file(uri, storage)).schema, what=f"read {uri}",
-                        storage=storage)
+    def _read() -> pa.Schema:
+        tail, size = read_tail(uri, FOOTER_READ_BYTES, storage)
+        found = footer_schema(tail, size)
+        if found is not None:
+            return found
+        source = TailFile(size, tail, lambda offset, n: read_range(uri, offset, n, storage))
+        return ipc.open_file(pa.PythonFile(source, mode="r")).schema  # a footer larger than the tail; or no footer
+
+    return with_retries(_read, what=f"read {uri}", storage=storage)
 
 
 def move(uri: str, to_uri: str, storage: StorageConfig | None = None) -> None:

@@ -99,3 +99,14 @@ def test_one_s3_client_per_endpoint_and_credentials(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "other")  # other credentials: another client, never the first's
     assert storage._s3_client(config) is not first
     assert storage._s3_client(storage.StorageConfig(endpoint_url="http://127.0.0.1:10")) is not first
+
+
+def test_footer_schema_from_the_tail_alone():
+    data = shard_bytes()
+    whole = ipc.open_file(pa.BufferReader(data)).schema
+    assert storage.footer_schema(data[-storage.FOOTER_READ_BYTES:], len(data)).equals(whole, check_metadata=True)
+    assert storage.footer_schema(data, len(data)).equals(whole, check_metadata=True)
+    assert storage.footer_schema(data[-20:], len(data)) is None  # the footer is longer than the tail: read more
+    assert storage.footer_schema(data[-1000:-5], len(data) - 5) is None  # no magic at the end: not a whole file
+    with pytest.raises((pa.ArrowInvalid, OSError), match="[Ff]ooter"):  # the magic, garbage before it: as pyarrow
+        storage.footer_schema(b"\xff" * 1000 + (100).to_bytes(4, "little") + b"ARROW1", 10 ** 6)
