@@ -191,8 +191,8 @@ def check_completion_shard(shard: CompletionShard, storage_config: StorageConfig
 
 
 def check_completion_shards(shards: list[CompletionShard], storage_config: StorageConfig | None = None,
-                            num_threads: int = 16) -> dict[str, ShardCheck]:
-    """`check_completion_shard` of every shard (footers only, in a thread pool), by shard name."""
+                            num_threads: int = storage.PARALLEL_READS) -> dict[str, ShardCheck]:
+    """`check_completion_shard` of every shard (footers only: one read each, in a thread pool), by shard name."""
     if not shards:
         return {}
     with ThreadPoolExecutor(min(num_threads, len(shards))) as pool:
