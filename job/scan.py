@@ -236,7 +236,7 @@ class CompletionShards:
 
 
 def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None = None,
-                              num_threads: int = 16) -> CompletionShards:
+                              num_threads: int = storage.PARALLEL_READS) -> CompletionShards:
     """THE rule of which completion shards of a run can be trusted, for every reader (stage 1's resume, stage 2's
     plan, `status`, `report`, `plan --from`, export, the notebook): one listing (`list_completion_shards`), then each
     shard's footer read (`check_completion_shard`: zero bytes, no whole Arrow file, not a completion shard's
