@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test test-slow test-all notebook trainers acceptance clean up down submit status dashboard
+.PHONY: lint install demo test test-slow test-all notebook trainers acceptance clean up down submit status dashboard
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torchvision.ops, transformers, vllm.model_executor.models.qwen3_5"  # the imports vLLM's Qwen3.5 needs
 	$(PY) -c "import speculators.train.trainer"
 	touch $(STAMP)
+
+# The linter (pyproject.toml [tool.ruff]); .ci/run runs it before the tests.
+lint: install
+	.venv/bin/ruff check .
 
 demo: install
 	$(PY) -m job demo --output demo-run

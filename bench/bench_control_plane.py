@@ -97,6 +97,7 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
     # What every step imports and reads of the model whatever the run's size (transformers, torch: ~0.9 GB of RSS,
     # seconds on a busy machine), before the clock and the baseline RSS: the figures are the run directory's.
     import torch  # noqa: F401
+
     from job import target
     from job.generate.engine_start import resolved_sampling
     target.shape(model)

@@ -9,7 +9,8 @@ Qwen3.6-27B text shape (hidden 5120, 64 layers: 3 Gated DeltaNet : 1 gated atten
 are bench_hidden_states.py's (log-normal lengths, median 1400, clipped to [256, 4096]). Timed on the second of two
 passes of each (kernel autotuning, first shapes): the extractor end to end (forward with hooks, stopping after layer 61;
 checks; device->host copy) in each layout (packed batches: the GDN layers once per sequence through transformers'
-own layer, or once per batch through flash-linear-attention's varlen kernels), and a plain transformers forward of all 64 layers over the same padded
+own layer, or once per batch through flash-linear-attention's varlen kernels), and a plain transformers forward of all
+64 layers over the same padded
 batches (no hooks, nothing copied back).
 """
 
@@ -44,7 +45,8 @@ SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, n
 
 
 def profile(ex, samples, path):
-    """Which kernels take the GPU's time: torch.profiler over the first 3 parts (24 samples), CUDA time per kernel name."""
+    """Which kernels take the GPU's time: torch.profiler over the first 3 parts (24 samples), CUDA time per kernel
+    name."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -90,7 +92,8 @@ def main():
                                                      attn_implementation="sdpa")).eval()
     torch.set_default_dtype(torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    results = {"init_s": time.perf_counter() - started, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+    results = {"init_s": time.perf_counter() - started,
+               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                "torch": torch.__version__}
     if args.smoke:
         samples = make_samples(6, SMOKE["vocab_size"], seed=0, min_len=100, max_len=300)

@@ -42,7 +42,7 @@ def main() -> None:
                 f.write(os.urandom(1 << 24))
     subprocess.run(["sync"], check=False)
     gb = size / (1 << 30)
-    print(f"| what | file | seconds | seconds per GB |\n|---|---|---|---|")
+    print("| what | file | seconds | seconds per GB |\n|---|---|---|---|")
     for i in range(args.repeats):
         t = time.perf_counter()
         storage.sha256(path)
@@ -53,11 +53,11 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO / "tests"))
     import boto3
-
     from conftest import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         endpoint = f"http://127.0.0.1:{port}"
@@ -70,7 +70,8 @@ def main() -> None:
                 time.sleep(0.1)
         else:
             raise RuntimeError("moto did not start within 60 s")
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").upload_file(path, "bench-digest", "input.bin")
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.upload_file(path, "bench-digest", "input.bin")
         t = time.perf_counter()
         storage.sha256("s3://bench-digest/input.bin")
         dt = time.perf_counter() - t

@@ -127,7 +127,8 @@ def main() -> None:
     paths = write_inputs(args.dir, args.rows, args.row_bytes, args.gz)
     print(f"inputs ready in {time.perf_counter() - t0:.0f} s: " +
           ", ".join(f"{k} {os.path.getsize(p) / 2**20:,.0f} MiB" for k, p in paths.items()), flush=True)
-    print(f"\n| {args.rows:,} rows | step | seconds | peak RSS MiB | RSS growth in the step MiB |\n|---|---|---|---|---|")
+    print(f"\n| {args.rows:,} rows | step | seconds | peak RSS MiB | RSS growth in the step MiB |\n"
+          "|---|---|---|---|---|")
     for form, path in paths.items():
         for step in ("scan", "validate", "units", "read_unit"):
             seconds, peak, growth = measure(path, step, args.rows_per_shard)

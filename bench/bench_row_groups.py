@@ -1,5 +1,6 @@
 """What one work unit holds when its input file is a single row group (pq.write_table's and pandas' default for
-files up to ~1M rows): the old read (whole group, then a zero-copy slice) against job.generate.inputs.read_rows (stream the
+files up to ~1M rows): the old read (whole group, then a zero-copy slice) against job.generate.inputs.read_rows (stream
+the
 group in batches, copy out the unit's rows). Prints one JSON line.
 
     .venv/bin/python bench/bench_row_groups.py [--rows 200000] [--unit 128]

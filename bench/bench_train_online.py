@@ -9,7 +9,8 @@ RUN_DIR: a run directory with stage-1 completions (e.g. `make demo`'s demo-run).
 store's peak use (the raylet's plasma bytes in use, polled every 0.2 s by the driver) and Ray Data's own peak
 accounting of the stream's blocks (its executor's progress lines, every 5 s), the producer's idle share
 (1 − the extractor operator's summed task wall time / the span over which it produced blocks, from Ray Data's own
-stats of the worker's shard), and samples/s at the consumer from its first sample on. Cases: fast and slow consumer under the
+stats of the worker's shard), and samples/s at the consumer from its first sample on. Cases: fast and slow consumer
+under the
 bound, then both with Ray Data's default limit (half the object store) for contrast.
 """
 

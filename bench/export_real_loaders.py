@@ -126,7 +126,8 @@ def check(work: str) -> list[str]:
         check_hidden_states(hs, ds[i]["input_ids"].tolist())
         ours = pre[ids[i]]
         assert torch.equal(hs["hidden_states"], ours["hidden_states"])
-        assert ds[i]["loss_mask"].tolist() == ours["loss_mask"].tolist() and int(ds[i]["seq_len"]) == len(hs["token_ids"])
+        assert ds[i]["loss_mask"].tolist() == ours["loss_mask"].tolist()
+        assert int(ds[i]["seq_len"]) == len(hs["token_ids"])
         item = trainer[i]
         assert torch.equal(item["verifier_last_hidden_states"], ours["hidden_states"][:, -1])
     Path(f"{work}/token_freq_real.pt").unlink(missing_ok=True)  # theirs reuses an existing file without counting

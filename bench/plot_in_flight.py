@@ -4,7 +4,8 @@
 
 A series is read from vLLM's stats lines ("... HH:MM:SS [loggers.py:...] Engine 000: ... Running: N reqs,
 Waiting: M reqs", every VLLM_LOG_STATS_INTERVAL seconds), with t = 0 at the engine's "init engine ... took" line
-(plain `LLM`) or job.generate.engine's "engine ready" line (stage 1): the start of each one's generation window. Stage 1's
+(plain `LLM`) or job.generate.engine's "engine ready" line (stage 1): the start of each one's generation window. Stage
+1's
 log has stats lines only when bench_generate.py ran it with BENCH_ENGINE_STATS=1; a log without any is reported
 and left out. Timestamps have 1 s resolution (vLLM's log format).
 """

@@ -30,7 +30,6 @@ from pathlib import Path
 from job.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
 
 
-
 def _storage_flags() -> argparse.ArgumentParser:
     """Parent parser of every subcommand that reads (or writes) a run directory."""
     p = argparse.ArgumentParser(add_help=False)
@@ -154,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count rows from shard names only, do not open shards (no tokens, no quality rates)")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
 
-    pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/runview/plan.py)", parents=run_dir,
+    pl = sub.add_parser("plan", help="time, cost and storage before renting GPUs (job/runview/plan.py)",
+                        parents=run_dir,
                         description=plan.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="example: python -m job plan --config configs/qwen3.6-27b.yaml --prompts 914000 "
                                "--tokens-per-prompt 2500 --gpus 8 --tokens-per-s-per-gpu 2000 "

@@ -22,7 +22,6 @@ from job.drafters import EVERY_TRAINER, every_trainer_layers
 from job.schema import FP8
 from job.storage import StorageConfig
 
-
 DEFAULT_CONFIG = "configs/demo.yaml"
 """The config every run command reads unless given --config (relative to the working directory)."""
 
@@ -256,7 +255,8 @@ class HiddenStatesConfig:
     """The transformers backend's elementwise work on Qwen3.5/3.6 layers (norms, SwiGLU, gates, rotary) as fused
     kernels (job/hidden_states/fusion.py): 'compile' (torch.compile), 'fla' (flash-linear-attention's fused norms),
     'off' (transformers' eager code), or 'auto' (FUSE_AUTO in job/hidden_states/transformers_backend.py on a CUDA GPU:
-    'compile', measured faster there with the same exactness; off elsewhere and for other models). The exactness self-check compares the result with
+    'compile', measured faster there with the same exactness; off elsewhere and for other models). The exactness
+    self-check compares the result with
     transformers' own code either way."""
     check_samples: int = 4
     """Exactness self-check: before writing anything, each worker runs this many of the run's own samples through

@@ -69,7 +69,7 @@ class CompletionUnit:
         return asdict(self)
 
     @classmethod
-    def from_row(cls, row: dict) -> "CompletionUnit":
+    def from_row(cls, row: dict) -> CompletionUnit:
         """The unit again from its row of a batch (`to_row` went through Ray Data: numpy scalars)."""
         return cls(file_index=int(row["file_index"]), file_uri=str(row["file_uri"]), start=int(row["start"]),
                    stop=int(row["stop"]), seek_row=int(row["seek_row"]), seek_byte=int(row["seek_byte"]))
@@ -141,7 +141,7 @@ class HiddenStateUnit:
                 "row_limit": -1 if self.row_limit is None else self.row_limit, "existing": json.dumps(self.existing)}
 
     @classmethod
-    def from_row(cls, row: dict) -> "HiddenStateUnit":
+    def from_row(cls, row: dict) -> HiddenStateUnit:
         limit = int(row["row_limit"])
         return cls(uri=str(row["uri"]), stem=str(row["stem"]), num_rows=int(row["num_rows"]),
                    row_limit=None if limit < 0 else limit, existing=json.loads(row["existing"]))

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from job import schema
 from job.cluster import engine_census
@@ -219,7 +219,7 @@ class Progress:
             except Exception:  # a closed stream at interpreter exit: progress is never worth a crash
                 return
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,7 @@ job taken over mid-unit): every count here merges them first, so a row is counte
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 Range = tuple[int, int]
 

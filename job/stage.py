@@ -17,7 +17,8 @@ The runner owns the rest, in this order:
             session.start()
             run_units(units, ledger, ActorStage(..., runtime_env=runtime_env(config)), progress, on_summary, errors)
             runs.write_run_json(... "complete" ...)
-`run_units` skips the units the ledger calls done and marks each unit done as its summary arrives. `follow` always closes its progress line and, when the stage ends on an error or a verdict, stops it in the order
+`run_units` skips the units the ledger calls done and marks each unit done as its summary arrives. `follow` always
+closes its progress line and, when the stage ends on an error or a verdict, stops it in the order
 that lets the verdict be the last thing printed: the dataset's iterator closed (Ray Data's executor stops submitting
 work), then the stage's actors killed, then (leaving the session) Ray shut down. An error raised inside an actor
 (which Ray hands back as a wrapped traceback) comes out as the stage's own error with its own message.
@@ -28,9 +29,10 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 from job import lock, progress, redaction, runs, storage
 from job.cluster import engine_census, kill_stage_actors
@@ -102,13 +104,13 @@ class RaySession:
         self.started = False
         """Whether this session started the Ray it runs on (then it shuts it down at the end)."""
 
-    def start(self) -> "RaySession":
+    def start(self) -> RaySession:
         """Join or start Ray (idempotent: a second call finds it initialized)."""
         if ensure_ray(self.config, self.num_cpus):
             self.started = True
         return self
 
-    def __enter__(self) -> "RaySession":
+    def __enter__(self) -> RaySession:
         return self
 
     def __exit__(self, *exc) -> None:

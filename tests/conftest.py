@@ -46,8 +46,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: the slow tier (`make test-slow`): several nodes, `ray job submit`, "
                                        "injected faults, the notebook, the hybrid model, tiny-model builds")
-    config.addinivalue_line("markers", "own_ray: starts a Ray of its own (a cluster, a head): first in its file (it shuts the "
-                                       "worker's session Ray down)")
+    config.addinivalue_line("markers", "own_ray: starts a Ray of its own (a cluster, a head): first in its file "
+                                       "(it shuts the worker's session Ray down)")
 
 
 # Seconds each file's tests took in one `make test-all` with two workers on 2 cores (test-results/junit.xml,

@@ -110,7 +110,6 @@ class FaultyProxy:
             return None
         with self.lock:
             self.num_matching += 1
-            n = self.num_matching
             fault = None
             draw = self.rng.random()
             if self.fail_always or (self.fail_every and draw < 1 / self.fail_every):

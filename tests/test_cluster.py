@@ -31,8 +31,8 @@ from conftest import read_run, simple_prompts
 
 from job import storage
 from job.config import ConfigError, load_config
-from job.generate.engine_start import EngineStartError
 from job.generate import run_generate
+from job.generate.engine_start import EngineStartError
 from job.hidden_states import load, run_hidden_states
 
 REPO = Path(__file__).resolve().parents[1]

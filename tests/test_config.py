@@ -8,12 +8,19 @@ import dataclasses
 import typing
 
 import pytest
-
-from job.config import (LIMITS, ConfigError, GenerateConfig, HiddenStatesConfig, QualityConfig, RunConfig, value_kinds,
-                        load_config)
-from job.storage import StorageConfig
-
 from conftest import DEMO_CONFIG
+
+from job.config import (
+    LIMITS,
+    ConfigError,
+    GenerateConfig,
+    HiddenStatesConfig,
+    QualityConfig,
+    RunConfig,
+    load_config,
+    value_kinds,
+)
+from job.storage import StorageConfig
 
 SECTIONS = {"": RunConfig, "generate": GenerateConfig, "quality": QualityConfig, "hidden_states": HiddenStatesConfig,
             "storage": StorageConfig}

@@ -19,8 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DEMO_CONFIG, REPO, SHARED_ROWS_PER_SHARD, check_completions, read_run, simple_prompts, \
-    write_prompts
+from conftest import (
+    DEMO_CONFIG,
+    REPO,
+    SHARED_ROWS_PER_SHARD,
+    check_completions,
+    read_run,
+    simple_prompts,
+    write_prompts,
+)
 
 from job import layout, storage
 from job.config import load_config

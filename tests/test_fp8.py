@@ -13,8 +13,7 @@ from conftest import DEMO_CONFIG
 
 from job.config import load_config
 from job.export.files import export
-from job.hidden_states import check_run, load, run_hidden_states
-from job.hidden_states import fp8
+from job.hidden_states import check_run, fp8, load, run_hidden_states
 
 
 @pytest.mark.slow  # a stage-2 run of its own (~40 s): the one way to prove what FP8 storage keeps

@@ -9,12 +9,20 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import (BAD_ROWS, DEMO_CONFIG, check_completions, read_run, shared_input_files, shared_input_rows,
-                      simple_prompts, write_prompts)
+from conftest import (
+    BAD_ROWS,
+    DEMO_CONFIG,
+    check_completions,
+    read_run,
+    shared_input_files,
+    shared_input_rows,
+    simple_prompts,
+    write_prompts,
+)
 
 from job.config import load_config
-from job.generate.engine_start import EngineStartError
 from job.generate import run_generate
+from job.generate.engine_start import EngineStartError
 
 
 def write_mixed_input(directory, rows: list[dict]) -> str:

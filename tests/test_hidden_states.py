@@ -537,8 +537,8 @@ def test_check_of_a_finished_run_passes_and_catches_altered_features(float32_run
     samples = [Sample(id=r["id"], input_ids=r["input_ids"].numpy(), num_prompt_tokens=int((r["loss_mask"] == 0).sum()),
                       original_num_tokens=r["original_num_tokens"], row=i) for i, r in enumerate(records)]
     meta = table.schema.metadata
-    hs_schema = schema.hidden_states_schema(model=meta[schema.META_MODEL].decode(), layer_ids=[0, 1, 3], hidden_size=256,
-                                     dtype="float32")
+    hs_schema = schema.hidden_states_schema(model=meta[schema.META_MODEL].decode(), layer_ids=[0, 1, 3],
+                                            hidden_size=256, dtype="float32")
     uri.write_bytes(table_to_ipc(part_table(samples, features.view(torch.uint8).numpy(), hs_schema)).to_pybytes())
     with pytest.raises(HiddenStateCheckError, match=rf"layer 1 of sample {first['id']!r} .* by 1\.\d\d%"):
         check_run(hs_config(model_dir, altered), num_samples=3)

@@ -275,7 +275,7 @@ def test_flag_rates_and_plot(run_dir, table):
 def test_error_examples(rows):
     examples = ji.error_examples(rows)
     assert sum(v["count"] for v in examples.values()) == len(BAD_ROWS)
-    for i, (_, words) in BAD_ROWS.items():  # each bad row's kind, with its first row (input order) as the example
+    for _, (_, words) in BAD_ROWS.items():  # each bad row's kind, with its first row (input order) as the example
         (kind,) = [k for k in examples if words in k]
         first = min(j for j, (_, w) in BAD_ROWS.items() if w == words)
         assert examples[kind]["count"] == sum(w == words for _, w in BAD_ROWS.values())
@@ -614,7 +614,8 @@ def _execute_notebook(run_dir: str, cwd: Path, monkeypatch):
 @pytest.mark.slow  # the notebook: Jupyter installed into .venv on first use, a server started
 def test_make_notebook_serves_the_notebook_on_the_run(run_dir):
     """`make notebook RUN_DIR=...`: Jupyter installed into .venv on first use, a server that serves
-    notebooks/inspect_outputs.ipynb (Jupyter serves the folder of the file it opens), started with RUN_DIR in its environment (the kernels it starts inherit it;
+    notebooks/inspect_outputs.ipynb (Jupyter serves the folder of the file it opens), started with RUN_DIR in its
+    environment (the kernels it starts inherit it;
     what the notebook does with RUN_DIR is test_notebook_runs_*). Stopped again with its process group."""
     import json
     import secrets

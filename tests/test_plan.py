@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_status import steady_shards, write_run
 
 from job import cli
 from job.runview import plan
 from job.runview.plan import PlanInputs, estimate
-from test_status import steady_shards, write_run
 
 REAL_RUN = ["--prompts", "914000", "--tokens-per-prompt", "2500", "--gpus", "7", "--tokens-per-s-per-gpu", "2000",
             "--usd-per-gpu-hour", "3.81"]

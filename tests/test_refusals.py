@@ -79,7 +79,8 @@ def test_missing_bucket_is_refused(tmp_path, capsys, tiny_model_dir, s3_server):
     ("model: x\noutput: y\nbogus_key: 1\n", "unknown key(s) ['bogus_key']"),
     ("model: x\noutput: y\ngenerate: {rows_per_shard: 0}\n", "rows_per_shard must be >= 1"),
     ("model: [unclosed\n", "not valid YAML"),
-    ("model: x\noutput: y\ngenerate: {hang_timeout_s: -1}\n", "generate.hang_timeout_s must be >= 0 (0 = no watchdog), got -1"),
+    ("model: x\noutput: y\ngenerate: {hang_timeout_s: -1}\n",
+     "generate.hang_timeout_s must be >= 0 (0 = no watchdog), got -1"),
 ])
 def test_bad_config_is_refused(tmp_path, capsys, content, words):
     cfg = tmp_path / "c.yaml"

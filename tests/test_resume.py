@@ -160,7 +160,8 @@ def test_driver_killed_at_engine_start_then_mid_write_then_rerun_finishes_exactl
     time.sleep(2)  # the actors' last log lines reach this process's output through Ray's log monitor
     printed = "".join(capfd.readouterr())
     assert "EngineDeadError" not in printed and "output_handler failed" not in printed, printed[-3000:]
-    assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows for n in done_before)
+    assert summary.num_rows_done_before == sum(storage.read_shard(str(run / "completions" / n)).num_rows
+                                               for n in done_before)
     assert summary.num_rows == len(rows) - summary.num_rows_done_before, "done work is not redone"
     assert_exactly_once(str(run), rows)
     assert not list((run / "completions").glob(".*.tmp-*")), "the rerun removed the killed writer's temp file"
@@ -233,8 +234,8 @@ def test_actor_killed_engine_killed_and_engine_hung_are_each_replaced_exactly_on
             p.suspend()
             stopped.append(p)
 
-    faults = [("engine actor killed", kill_every("ray::MapWorker")), ("engine process killed", kill_every("EngineCore")),
-              ("engine hung", stall_engine)]
+    faults = [("engine actor killed", kill_every("ray::MapWorker")),
+              ("engine process killed", kill_every("EngineCore")), ("engine hung", stall_engine)]
     errors, hit = [], []  # hit: (fault, shards written when it struck)
 
     def inject():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
-import sys
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 
 from job import cli, layout, schema, storage
-from job.runview import status
 from job.layout import CompletionUnit
+from job.runview import status
 from job.storage import StorageConfig
 
 T0 = 1_800_000_000.0  # a fixed "wall clock" for the shard mtimes

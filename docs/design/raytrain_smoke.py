@@ -8,7 +8,7 @@ import time
 
 import ray
 import ray.train
-from ray.train import ScalingConfig, RunConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 

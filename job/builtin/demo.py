@@ -36,7 +36,8 @@ def demo_questions() -> list[str]:
 def demo_pairs() -> list[tuple[str, str]]:
     """(question, answer) pairs of the corpus the tiny model was trained on."""
     lines = resources.files("job.builtin").joinpath("data/corpus.txt").read_text().splitlines()
-    return [(q[2:].strip(), a[2:].strip()) for q, a in zip(lines, lines[1:]) if q.startswith("Q:") and a.startswith("A:")]
+    return [(q[2:].strip(), a[2:].strip()) for q, a in zip(lines, lines[1:])
+            if q.startswith("Q:") and a.startswith("A:")]
 
 
 DEMO_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()),

@@ -8,7 +8,7 @@ import io
 import json
 import os
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa

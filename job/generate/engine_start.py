@@ -12,6 +12,7 @@ from typing import Any
 
 from job import target
 
+
 class EngineStartError(RuntimeError):
     """vLLM cannot start an engine for this model with these settings. The run stops once with this message: a
     model that cannot load never loads on a retry."""

@@ -130,7 +130,8 @@ def compressed_note(files: list[InputFile], rows_per_shard: int) -> str | None:
     big = [f for f in files if jsonl_input.codec_of(f.uri) and f.num_rows > 64 * rows_per_shard]
     if not big:
         return None
-    return (f"note: {len(big)} compressed JSONL file(s) hold more than {64 * rows_per_shard:,} rows (e.g. {big[0].uri}: "
+    return (f"note: {len(big)} compressed JSONL file(s) hold more than {64 * rows_per_shard:,} rows "
+            f"(e.g. {big[0].uri}: "
             f"{big[0].num_rows:,}); a compressed file cannot seek, so each unit decompresses it from the start up "
             "to its rows. Decompressing it once (plain .jsonl seeks) or splitting it saves that work.")
 
@@ -195,7 +196,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
     Checks: every file has `id` and `prompt`, `messages` or `conversations`, and the same schema (JSONL: the
     union of all keys); ids are never null and unique across the whole input; under
     `regenerate: every_assistant_turn`, whose outputs are named `<id>#<turn>`, no id ends in `#<digits>` (so output
-    ids are unique by construction: `a#1` beside a two-turn `a` would give two rows named `a#1`). The id check reads the `id` column
+    ids are unique by construction: `a#1` beside a two-turn `a` would give two rows named `a#1`). The id check reads
+    the `id` column
     of every file (~1 s per 10M integer parquet ids; JSONL parses every line, docs/BENCHMARKS.md); it runs on a
     run's first start only (run.json records the result and the columns).
     """
@@ -256,7 +258,8 @@ def _refuse_turn_suffixes(uri: str, ids: pa.Array) -> None:
     bad = ids.filter(pc.match_substring_regex(ids, r"#[0-9]+$"))
     if len(bad):
         shown = ", ".join(repr(v) for v in bad.slice(0, 5).to_pylist())
-        raise InputError(f"input file {uri}: {len(bad)} id(s) end in '#<number>' ({shown}{' …' if len(bad) > 5 else ''})"
+        more = " …" if len(bad) > 5 else ""
+        raise InputError(f"input file {uri}: {len(bad)} id(s) end in '#<number>' ({shown}{more})"
                          ", the form of generate.regenerate: every_assistant_turn's output ids (`<id>#<turn>`), so "
                          "they could collide with another row's turns. Rename those ids, or use regenerate: "
                          "last_turn")

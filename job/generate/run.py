@@ -23,10 +23,10 @@ import pyarrow as pa
 from job import cluster, layout, progress, runs, scan, stage, storage
 from job.config import ConfigError, RunConfig, to_dict
 from job.generate import engine_sizing, inputs, prompts, quality
-from job.generate.units import count_done_rows, pending_units, wanted_ranges
 from job.generate.engine import CompletionGenerator
 from job.generate.engine_start import EngineStartError, resolved_sampling, text_only_engine_kwargs
 from job.generate.report import write_report
+from job.generate.units import count_done_rows, pending_units, wanted_ranges
 from job.lock import FencedOut
 
 log = logging.getLogger("job.generate")

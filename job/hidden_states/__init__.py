@@ -22,8 +22,14 @@ The core (samples, backends, checks, shards) needs no Ray: it runs where only to
 
 from job.hidden_states.actor import collate
 from job.hidden_states.checks import HiddenStateCheckError
-from job.hidden_states.run import (HiddenStatesSummary, check_run, dataset, estimate_storage, plan_units,
-                                   run_hidden_states)
+from job.hidden_states.run import (
+                                   HiddenStatesSummary,
+                                   check_run,
+                                   dataset,
+                                   estimate_storage,
+                                   plan_units,
+                                   run_hidden_states,
+)
 from job.hidden_states.shards import load
 
 __all__ = ["run_hidden_states", "HiddenStatesSummary", "estimate_storage", "dataset", "collate", "load", "check_run",

@@ -59,8 +59,8 @@ def records(x):
 
     q, scale = quantize(x)
     tokens = x.shape[0]
-    return torch.cat([q.view(torch.uint8).reshape(tokens, -1), scale.contiguous().view(torch.uint8).reshape(tokens, -1)],
-                     dim=1)
+    scales = scale.contiguous().view(torch.uint8).reshape(tokens, -1)
+    return torch.cat([q.view(torch.uint8).reshape(tokens, -1), scales], dim=1)
 
 
 def split_records(features: np.ndarray, tokens: int, num_layers: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +72,7 @@ def split_records(features: np.ndarray, tokens: int, num_layers: int, hidden: in
     return values, scales
 
 
-def relative_l2(x, y) -> "np.ndarray":
+def relative_l2(x, y) -> np.ndarray:
     """Per layer: ||x - y|| / ||x|| over every token, x and y [tokens, layers, hidden]."""
     x32, y32 = x.float(), y.float()
     return ((x32 - y32).norm(dim=(0, 2)) / x32.norm(dim=(0, 2)).clamp_min(1e-30)).numpy()

@@ -21,8 +21,8 @@ rewritten (`fusion_problem` says why any other is not): its RMSNorm is zero-cent
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 FUSIONS = ("auto", "off", "compile", "fla", "reference")
 

@@ -354,7 +354,7 @@ def _take_summary(s: dict, tracker: progress.Progress, this_run: dict) -> None:
 
 
 def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int], hidden: int, estimate: dict,
-            this_run: dict, seconds: float, total_seconds: float, fence=None) -> "HiddenStatesSummary":
+            this_run: dict, seconds: float, total_seconds: float, fence=None) -> HiddenStatesSummary:
     """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
     out = _out_dir(config)
     with ThreadPoolExecutor(16) as pool:

@@ -4,8 +4,8 @@ length, cut every `rows_per_shard`) → batches; and the host buffers a part's f
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa

@@ -6,7 +6,8 @@
         table = part_table(part.samples, part.features, schema)
 
 Layer convention (docs/ARCHITECTURE.md, "One run, every trainer"; job/drafters.py): layer k is transformers'
-`output_hidden_states[k + 1]`, the output of decoder layer k. One wrinkle, measured on transformers 5.19 Qwen3: for the LAST decoder layer transformers returns the output
+`output_hidden_states[k + 1]`, the output of decoder layer k. One wrinkle, measured on transformers 5.19 Qwen3: for the
+LAST decoder layer transformers returns the output
 *after* the model's final norm (`hidden_states[-1] == norm(layer_out)`), so that is what layer N-1 stores here too.
 vLLM's aux hidden states (`eagle_aux_hidden_state_layer_ids`) count differently: vLLM id j is the residual stream
 after j layers, before any final norm, so our layer k is vLLM id k + 1 and our last layer has no vLLM equivalent.
@@ -31,7 +32,7 @@ import importlib.util
 import time
 import warnings
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -9,7 +9,6 @@ notebook's cells); the reading is job/scan.py's and job/hidden_states.load's.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -62,7 +62,6 @@ from job.formatting import format_bytes
 from job.runview.status import measure_rate, scan_completions
 from job.storage import StorageConfig
 
-
 # S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
 DEFAULT_USD_PER_GB_MONTH = 0.023
 # S3 Standard PUT/COPY/POST/LIST requests, us-east-1: $0.005 per 1,000 (for the requests line).

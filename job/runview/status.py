@@ -118,7 +118,8 @@ def measure_rate(shards: list[ShardStat], min_gap_s: float = MIN_GAP_S) -> Rate 
         if len(seg) < 2:
             continue
         seconds += seg[-1].mtime - seg[0].mtime
-        rows += sum(s.shard.stop - s.shard.start for s in seg[1:])  # input rows (a conversation may give several outputs)
+        # input rows (a conversation may give several outputs)
+        rows += sum(s.shard.stop - s.shard.start for s in seg[1:])
         tokens += sum(s.num_output_tokens for s in seg[1:])
     if seconds <= 0:
         return None
@@ -307,8 +308,9 @@ def format_status(st: dict) -> str:
     if hs is None:
         lines.append("stage 2  not started (`python -m job hidden-states` with the same --output)")
     else:
+        shards_total = hs['completion_shards_done'] + hs['completion_shards_to_do']
         line = (f"stage 2  {hs['rows_done']:,} / {hs['rows_from_stage1']:,} rows done"
-                f" ({hs['completion_shards_done']:,} of {hs['completion_shards_done'] + hs['completion_shards_to_do']:,}"
+                f" ({hs['completion_shards_done']:,} of {shards_total:,}"
                 f" completion shards), {hs['rows_to_do']:,} to do; {hs['parts']:,} parts"
                 f" ({format_bytes(hs['bytes'])})")
         if hs["samples"] is not None:
