@@ -48,7 +48,8 @@ def held_out(run_dir: str) -> list[dict]:
     """The greedy evaluation run's rows: prompt token ids as served, and the target's greedy output to compare."""
     from job.runview.notebook import read_rows  # the notebook's reader
 
-    rows = [r for r in read_rows(run_dir).to_pylist() if r["error"] is None]
+    columns = ["id", "prompt_token_ids", "output_token_ids", "error"]  # the token ids are not among its defaults
+    rows = [r for r in read_rows(run_dir, columns).to_pylist() if r["error"] is None]
     rows.sort(key=lambda r: r["id"])
     return [{"id": r["id"], "prompt_token_ids": list(r["prompt_token_ids"]),
              "output_token_ids": list(r["output_token_ids"])} for r in rows]
