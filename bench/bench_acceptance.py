@@ -217,7 +217,10 @@ def dflash_markdown(served: dict, scores: dict) -> str:
         loss = (f"{trained['first_loss']:.2f} → {trained['last_loss']:.2f}" if trained["first_loss"] is not None
                 else "—")
         for kind in ("greedy", "sampled"):
-            got = entry[kind]
+            got = entry.get(kind) or {"error": "not run"}
+            if "error" in got:
+                lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:80]} | | | {loss} |")
+                continue
             pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
             lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {got['drafts']} | {loss} |")
     return "\n".join(lines)
@@ -233,7 +236,10 @@ def served_markdown(served: dict, scores: dict) -> str:
     for name, entry in served["sets"].items():
         emulated = scores["sets"][name]
         for kind in ("greedy", "sampled"):
-            got = entry[kind]
+            got = entry.get(kind) or {"error": "not run"}
+            if "error" in got:  # the engine failed this pass (served_acceptance.py records why)
+                lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:80]} | | | | | |")
+                continue
             draft = emulated[kind]["draft"]
             tau = draft["greedy_tau" if kind == "greedy" else "sampled_tau"][k - 1]
             walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
@@ -256,7 +262,7 @@ def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict 
         for name, row in summary.items():
             bars = ax.errorbar(ks, row[kind], yerr=[s / 2 for s in row[kind + "_spread"]], marker="o", capsize=3,
                                label=SETS[name], linestyle="--" if name == "untrained" else "-")
-            if served and name in served["sets"]:  # the same draft served by vLLM: its counters' τ at k
+            if served and "tau" in served["sets"].get(name, {}).get(kind, {}):  # served by vLLM: its counters' τ
                 ax.plot([served["k"]], [served["sets"][name][kind]["tau"]], marker="*", markersize=13,
                         color=bars[0].get_color(), markeredgecolor="black", linestyle="none",
                         label="served by vLLM (its counters)" if name == "regenerated" else None)

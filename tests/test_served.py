@@ -108,3 +108,18 @@ def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
     # A trained draft is accepted (an untrained one: ~1 % of slots); τ is what the counters say.
     assert greedy["accepted"] > 0.1 * greedy["draft_tokens"], greedy
     assert greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4)
+
+
+def test_the_serving_walk_of_an_always_right_drafter():
+    """An always-right drafter on the benchmark's own chain rule (acceptance.chain_valid), two packed samples: prompt
+    4 + completion 14, prompt 3 + completion 19. With k = 5 an engine drafts at 4, 10, 16 (5, 5 and the 1 slot
+    left) and at 21, 27, 33 (5 each): 6 blocks, 26 tokens accepted; with k = 1 at every other start: 7 + 9 blocks.
+    (Pure torch: Counts.add, which feeds it, imports speculators: 18 s.)"""
+    from job.trainers import acceptance as acc
+
+    loss_mask = torch.tensor([0] * 4 + [1] * 14 + [0] * 3 + [1] * 19)
+    docs = torch.tensor([0] * 18 + [1] * 22)
+    valid = acc.chain_valid(loss_mask, docs, 5)
+    lead = valid.to(torch.int64).cumprod(-1).sum(-1)  # every slot that exists is right
+    assert served_walk(lead, valid[:, 0], docs, 5) == (6, 26)
+    assert served_walk(lead, valid[:, 0], docs, 1) == (16, 16)
