@@ -190,7 +190,8 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     lines = [f"| training set | sampling | {head} | acceptance per position |", "|---|---|" + "---|" * k + "---|"]
     for name, row in summary.items():
         for kind in ("greedy", "sampled"):
-            cells = [f"{t:.2f}" + (f" ±{s / 2:.2f}" if spread else "") for t, s in zip(row[kind], row[kind + "_spread"])]
+            cells = [f"{t:.2f}" + (f" ±{s / 2:.2f}" if spread else "")
+                     for t, s in zip(row[kind], row[kind + "_spread"])]
             pos = " ".join(f"{a:.2f}" for a in row[kind + "_per_position"])
             lines.append(f"| {SETS[name]} | {kind} | " + " | ".join(cells) + f" | {pos} |")
     return "\n".join(lines)

@@ -41,9 +41,10 @@ GIB = 1024 ** 3
 def old_auto(model: str, ek: dict, tokens: int) -> int:
     """The first version's choice (before issue 49): reserve = 2 x (one prefill's activations + 3 x 512 rows of
     float32 logits) + 2 GiB, and the count rounded down to a multiple of 8 (at least 8)."""
+    from vllm.platforms import current_platform
+
     from job import target
     from job.generate import engine_sizing as es
-    from vllm.platforms import current_platform
 
     config = target.config_json(model)
     text = target.text_config(config)
@@ -207,8 +208,9 @@ def main() -> None:
                 json.dump(result, f, indent=1)
     best = max(result["levels"], key=lambda r: r["tok_per_s"])
     for r in result["levels"]:
-        print(f"{r['level']:5d} {','.join(r['names']):10s} {r['tok_per_s']:9.1f} tok/s  {r['tok_per_s'] / best['tok_per_s']:.3f}x "
-              f"best  running {r['mean_running']:.1f}  KV max {100 * r['max_kv_use']:.0f} %  preempted {r['preempted']}",
+        ratio = r["tok_per_s"] / best["tok_per_s"]
+        print(f"{r['level']:5d} {','.join(r['names']):10s} {r['tok_per_s']:9.1f} tok/s  {ratio:.3f}x best  "
+              f"running {r['mean_running']:.1f}  KV max {100 * r['max_kv_use']:.0f} %  preempted {r['preempted']}",
               flush=True)
 
 

@@ -8,10 +8,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from job.config import load_config
-from job.generate.engine_sizing import (GIB, Sizing, auto_max_num_seqs, check_against_vllm, choose, gpu_pool,
-                                        reserve_bytes, row_bytes, sequence_cost, sizing_tokens)
 from job import target
+from job.config import load_config
+from job.generate.engine_sizing import (
+    GIB,
+    Sizing,
+    auto_max_num_seqs,
+    check_against_vllm,
+    choose,
+    gpu_pool,
+    reserve_bytes,
+    row_bytes,
+    sequence_cost,
+    sizing_tokens,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROD_CONFIG = str(REPO / "configs" / "qwen3.6-27b.yaml")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 TRAINERS_PYTHON = REPO / ".venv-trainers" / "bin" / "python"

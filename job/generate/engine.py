@@ -33,8 +33,16 @@ from job import layout, redaction, schema, storage
 from job.cluster import model_missing_here
 from job.config import RunConfig, from_dict
 from job.generate import engine_sizing, inputs, prompts, quality
-from job.generate.engine_start import (EngineStartError, known_engine_problem, is_gpu_platform, log_offsets,
-                                       logged_since, reason_logged_since, resolved_sampling, why_engine_failed)
+from job.generate.engine_start import (
+    EngineStartError,
+    is_gpu_platform,
+    known_engine_problem,
+    log_offsets,
+    logged_since,
+    reason_logged_since,
+    resolved_sampling,
+    why_engine_failed,
+)
 
 log = logging.getLogger("job.generate.engine")
 
@@ -346,8 +354,9 @@ class CompletionGenerator:
         self.num_in_flight += 1
         try:
             final = None
-            async for final in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                                    request_id=f"{row_id}-{uuid.uuid4().hex[:8]}"):
+            outputs = self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                           request_id=f"{row_id}-{uuid.uuid4().hex[:8]}")
+            async for final in outputs:  # noqa: B007 (the last output is the one read after the loop)
                 pass
         except EngineDeadError:
             log.error("vLLM engine died; exiting so Ray replaces this actor and retries its units")

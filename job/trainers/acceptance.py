@@ -163,7 +163,8 @@ def known_answer(valid: torch.Tensor) -> list[float]:
 @torch.no_grad()
 def evaluate(model, loader, k: int, sampling: dict | None, call_kwargs: dict, max_batches: int | None = None) -> dict:
     """Score `model` (a speculators Eagle3DraftModel) on every batch of `loader` (its own loader over a held-out
-    export), called with the trainer's validation kwargs `call_kwargs` (its loss config) and `ttt_steps = k`: τ for the draft, for the target as its own drafter, and how often the data's next token is the
+    export), called with the trainer's validation kwargs `call_kwargs` (its loss config) and `ttt_steps = k`: τ for the
+    draft, for the target as its own drafter, and how often the data's next token is the
     target's argmax (1.0 on greedy data made by the same numerics; on sampled data, how predictable the target is)."""
     captured = {"draft": [], "target": []}
     hooks = [model.lm_head.register_forward_hook(lambda m, i, o: captured["draft"].append(o.detach())),
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         entry["eval_seconds"] = round(time.monotonic() - started - trained_s, 1)
         results["sets"][name] = entry
         g, s = entry["greedy"], entry["sampled"]
-        print(f"{name}: {entry['steps']} steps ({epochs} epochs) in {trained_s:.0f} s; greedy τ {g['draft']['greedy_tau']}, "
+        print(f"{name}: {entry['steps']} steps ({epochs} epochs) in {trained_s:.0f} s; "
+              f"greedy τ {g['draft']['greedy_tau']}, "
               f"sampled τ {s['draft']['sampled_tau']} (always right: {g['always_right']})", flush=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)

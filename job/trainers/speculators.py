@@ -5,7 +5,6 @@ Imported by the job (export/manifest.py) and by the trainers' side (speculators_
 speculators' own code): standard library only, nothing else from `job`.
 """
 
-from __future__ import absolute_import
 
 import json
 import os
@@ -69,7 +68,8 @@ def draft_config(manifest: dict) -> dict:
 
     Returns a flat dict whose keys (except "derived") are speculators ``TrainConfig`` field names,
     i.e. the CLI flags of ``speculators train`` with '-' written '_' (``--target-layer-ids`` ->
-    "target_layer_ids"), as ``TrainConfig.from_sources(cli=...)`` takes them. "derived" holds facts read from the target (hidden size, vocab, layer count) that
+    "target_layer_ids"), as ``TrainConfig.from_sources(cli=...)`` takes them. "derived" holds facts read from the
+    target (hidden size, vocab, layer count) that
     speculators derives itself from the verifier and that are not trainer flags.
     PURE: standard library only; reads ``manifest["model"]/config.json``.
     """

@@ -3,14 +3,14 @@ mapping, `build_draft_model`, ArrowDataset / multipack sampler / CollateFn, and 
 loss, backward, clipping, optimizer and scheduler steps, metric logging). Only what cannot run without a GPU or a
 launcher is bypassed; each such workaround names the error it avoids (`cpu_trainer`).
 
-Two users: train-check (`train` = `train_repeated_batch`: N steps on one batch, proving an export trains) and the acceptance
+Two users: train-check (`train` = `train_repeated_batch`: N steps on one batch, proving an export trains) and the
+acceptance
 benchmark (`train_steps` then `data_loader` over a held-out export: job/trainers/acceptance.py).
 
 Runs in the trainers' environment (.venv-trainers) only; imports nothing from `job` but its own directory. The
 library is imported as the top-level ``speculators`` package, never speculators.py beside this file.
 """
 
-from __future__ import absolute_import
 
 import argparse
 import contextlib
@@ -201,8 +201,8 @@ def data_loader(args, model, export_dir: str | None = None):
 
 
 def trainer_config(args, model_class, max_steps):
-    from speculators.train import trainer as sp_trainer  # the trainers' environment only
     import torch  # heavy: imported on use
+    from speculators.train import trainer as sp_trainer  # the trainers' environment only
 
     train_call_kwargs, val_call_kwargs = model_class.get_trainer_kwargs(**vars(args))
     return sp_trainer.TrainerConfig(
