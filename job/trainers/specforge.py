@@ -41,6 +41,8 @@ LEARNING_RATE = 3e-4
 
 
 def _text_config(model_dir: str) -> dict:
+    # job.target.text_config's rule, written again here: this module runs in .venv-trainers on the standard library
+    # only (job.target imports job.config, which needs the job's own environment).
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     # Multimodal / hybrid targets (Qwen3_5ForConditionalGeneration) nest the language model's config.

@@ -25,6 +25,8 @@ _TINY_MAX_ANCHORS = 128
 
 
 def _target_text_config(model_dir):
+    # job.target.text_config's rule, written again here: this module runs in .venv-trainers on the standard library
+    # only (job.target imports job.config, which needs the job's own environment).
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     # Multimodal / hybrid targets (e.g. Qwen3_5ForConditionalGeneration) nest the decoder config;

@@ -128,7 +128,9 @@ def build_model(args):
 
 def target_final_norm(model_dir: str):
     """The target's own final norm module (its class, built on the meta device from its config) with the
-    checkpoint's weight, in float32, on the CPU."""
+    checkpoint's weight, in float32, on the CPU. job/export/norm.py's `load_final_norm` does the same in the job's
+    environment (in the run's dtype, raising ExportError); this one runs in .venv-trainers, which cannot import
+    job.export (pyarrow, Ray), so the lookup is written twice and both read the same checkpoint keys."""
     import torch  # heavy: imported on use
     from safetensors import safe_open  # the trainers' environment only
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy: imported on use
