@@ -15,6 +15,8 @@ import json
 import os
 from contextlib import contextmanager
 
+from job.target import text_config
+
 # SpecForge's own example drafts (configs/qwen3-*-dflash.json, qwen3.5-27b-dflash.json) have 5 layers and
 # blocks of 16 tokens; every EAGLE-3 example (qwen3-4b-eagle3.json, qwen3.5-4b-eagle3.json) has 1 layer and
 # a 32,000-token draft vocabulary.
@@ -41,12 +43,9 @@ LEARNING_RATE = 3e-4
 
 
 def _text_config(model_dir: str) -> dict:
-    # job.target.text_config's rule, written again here: this module runs in .venv-trainers on the standard library
-    # only (job.target imports job.config, which needs the job's own environment).
+    """The target's decoder settings (job.target's one rule: a multimodal / hybrid target nests them)."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    # Multimodal / hybrid targets (Qwen3_5ForConditionalGeneration) nest the language model's config.
-    return config.get("text_config") or config
+        return text_config(json.load(f))
 
 
 def draft_config(manifest: dict) -> dict:
