@@ -61,12 +61,19 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from job.runview import plan, status  # per command: --help stays fast
-
     parser = argparse.ArgumentParser(prog="python -m job", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run_dir = [_storage_flags()]
+    _add_stages(sub, run_dir)
+    _add_export(sub, run_dir)
+    _add_training(sub, run_dir)
+    _add_read_side(sub, run_dir)
+    _add_builtin(sub)
+    return parser
 
+
+def _add_stages(sub, run_dir: list) -> None:
+    """generate (stage 1) and hidden-states (stage 2)."""
     g = sub.add_parser("generate", help="stage 1: prompts → completion shards", parents=run_dir)
     _common(g)
     g.add_argument("--input", help="folder or prefix of prompt parquet shards (overrides the config)")
@@ -79,10 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check a finished run's shards against a plain transformers forward instead of extracting")
     h.add_argument("--check-samples", type=int, default=8, help="samples --check compares (default %(default)s)")
 
-    r = sub.add_parser("report", help="quality and length report of a run (finished or still running)",
-                       parents=run_dir)
-    r.add_argument("run", help="run directory (local or s3://)")
 
+def _add_export(sub, run_dir: list) -> None:
     e = sub.add_parser("export", help="a run in SpecForge's or vLLM speculators' training format (job/export/)",
                        parents=run_dir)
     e.add_argument("run", help="run directory (local or s3://)")
@@ -108,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "the target's vocabulary)")
     e.add_argument("--target-vocab-size", type=int, help="specforge eagle3: default from the model's config")
 
+
+def _add_training(sub, run_dir: list) -> None:
+    """train-check (an export trains, in .venv-trainers) and train-online (stage 2 streamed into Ray Train)."""
     t = sub.add_parser("train-check", help="prove exports train: N steps of the trainer's own code on CPU, in "
                                             ".venv-trainers (`make trainers`; job/trainers/)")
     t.add_argument("exports", nargs="+", help="export directories (local)")
@@ -143,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker-group restarts from the last checkpoint (default %(default)s; -1: forever)")
     o.add_argument("--epochs", type=int, default=1, help="default %(default)s")
     o.add_argument("--lr", type=float, help="learning rate (default: speculators')")
+
+
+def _add_read_side(sub, run_dir: list) -> None:
+    """report, status and plan: they read a run (or nothing) and write nothing."""
+    from job.runview import plan, status  # per command: --help stays fast
+
+    r = sub.add_parser("report", help="quality and length report of a run (finished or still running)",
+                       parents=run_dir)
+    r.add_argument("run", help="run directory (local or s3://)")
 
     s = sub.add_parser("status", help="progress of a run from its run directory alone (job/runview/status.py)",
                        parents=run_dir, description=status.__doc__.split("\n\n")[0])
@@ -197,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "is in job/runview/plan.py); it wins over --from's rate")
     pl.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
+
+def _add_builtin(sub) -> None:
+    """What the project builds to run without downloads: the tiny models and the demo."""
     t = sub.add_parser("tiny-model", help="build one of the project's tiny models (dense Qwen3, or hybrid Qwen3.5)")
     t.add_argument("--output", required=True, help="model directory to write")
     t.add_argument("--architecture", choices=("dense", "hybrid"), default="dense",
@@ -206,7 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="both stages end to end on the embedded demo (what `make demo` runs)")
     d.add_argument("--output", default="demo-run")
-    return parser
 
 
 def _config(args) -> RunConfig:

@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import layout, redaction, schema, storage
+from job import layout, schema, stage, storage
 from job.cluster import model_missing_here
 from job.config import RunConfig, from_dict
 from job.generate import engine_sizing, inputs, prompts, quality
@@ -92,7 +92,7 @@ class CompletionGenerator:
 
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
         # this process only; and everything this actor prints redacted.
-        redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
+        stage.apply_secrets(config)
 
         # Before the heavy imports: a node without the model fails in seconds. `load_format: dummy` (benchmarks)
         # needs no weight files.

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from job import layout, redaction, schema, storage
+from job import layout, schema, stage, storage
 from job.cluster import model_missing_here
 from job.config import ConfigError, from_dict
 from job.hidden_states import fp8
@@ -52,7 +52,7 @@ class HiddenStateExtractor:
             raise ValueError("skip_ids: stream mode only (written parts must hold every kept row)")
         self.skip_ids = frozenset(skip_ids)
         # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
-        redaction.apply_secret_env(redaction.split_env(config.get("env_vars") or {})[1])
+        stage.apply_secrets(config)
         import torch  # heavy: imported on use
 
         self.config = from_dict(config)

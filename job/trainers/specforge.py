@@ -13,6 +13,9 @@ This module must import nothing from the rest of `job`: it runs in the trainer's
 
 import json
 import os
+from contextlib import contextmanager
+
+from job.target import text_config
 
 # SpecForge's own example drafts (configs/qwen3-*-dflash.json, qwen3.5-27b-dflash.json) have 5 layers and
 # blocks of 16 tokens; every EAGLE-3 example (qwen3-4b-eagle3.json, qwen3.5-4b-eagle3.json) has 1 layer and
@@ -40,10 +43,9 @@ LEARNING_RATE = 3e-4
 
 
 def _text_config(model_dir: str) -> dict:
+    """The target's decoder settings (job.target's one rule: a multimodal / hybrid target nests them)."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    # Multimodal / hybrid targets (Qwen3_5ForConditionalGeneration) nest the language model's config.
-    return config.get("text_config") or config
+        return text_config(json.load(f))
 
 
 def draft_config(manifest: dict) -> dict:
@@ -154,24 +156,47 @@ def _target_copy(model_dir: str, workdir: str) -> tuple[str, str, str]:
     return copy, embedding_key, lm_head_key
 
 
+@contextmanager
+def cpu_training_settings():
+    """What SpecForge needs to train on a CPU, set for the block and put back after it (the caller's process is left
+    as it was; a specforge module imported inside keeps what it read at import). Set before specforge is imported:
+    triton reads TRITON_INTERPRET when @triton.jit decorates, dynamo reads TORCHDYNAMO_DISABLE when its config is
+    imported.
+    - EAGLE-3's loss (specforge.core.loss.LogSoftmaxLoss) is a Triton kernel; launched compiled on CPU tensors:
+      "RuntimeError: 0 active drivers ([]). There should only be one." The interpreter runs it on CPU.
+    - No error avoided: the first EAGLE-3 step spends ~150 s in torch.compile (specforge.algorithms.eagle3.model has
+      @torch.compile helpers); eager gives the same numbers. Set in dynamo's config too, for a torch imported (and
+      its config read) before this block."""
+    keys = ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE")
+    saved_env = {key: os.environ.get(key) for key in keys}
+    os.environ.update({key: "1" for key in keys})
+    import torch  # heavy: imported on use
+
+    dynamo_was = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = dynamo_was
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list[dict]:
     """Run `steps` optimizer steps of SpecForge's own training code on ONE repeated batch from export_dir.
     Returns one dict per step: {"step": i, "loss": float, "grad_norm": float, "accuracy": float}.
     Imports specforge lazily (inside the function). workdir: scratch dir for e.g. a copy of the target dir."""
-    # Both set before specforge is imported: triton reads TRITON_INTERPRET when @triton.jit decorates, dynamo
-    # reads TORCHDYNAMO_DISABLE when its config is imported.
-    # EAGLE-3's loss (specforge.core.loss.LogSoftmaxLoss) is a Triton kernel; launched compiled on CPU tensors:
-    # "RuntimeError: 0 active drivers ([]). There should only be one." The interpreter runs it on CPU.
-    os.environ["TRITON_INTERPRET"] = "1"
-    # No error avoided: the first EAGLE-3 step spends ~150 s in torch.compile (specforge.algorithms.eagle3.model
-    # has @torch.compile helpers); eager gives the same numbers.
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    import torch  # heavy: imported on use
+    with cpu_training_settings():
+        return _train(export_dir, manifest, config, steps, workdir)
+
+
+def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list[dict]:
+    """`train` inside `cpu_training_settings`: SpecForge's run assembled as `specforge train` assembles it, one
+    batch, `steps` steps. One function (~120 lines) because it follows specforge.cli._train step by step."""
     import torch.distributed as dist  # heavy: imported on use
-
-    # Also when torch was imported before this function ran, and its dynamo config read the env already.
-    torch._dynamo.config.disable = True
-
     from specforge.application import build_application_run  # the trainers' environment only
     from specforge.config import Config  # the trainers' environment only
     from specforge.distributed import destroy_distributed, init_distributed  # the trainers' environment only

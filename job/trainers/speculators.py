@@ -9,6 +9,8 @@ speculators' own code): standard library only, nothing else from `job`.
 import json
 import os
 
+from job.target import text_config
+
 # Eagle3SpeculatorConfig.draft_vocab_size and DFlashSpeculatorConfig.draft_vocab_size default to
 # 32000 (speculators/models/{eagle3,dflash}/config.py).
 SPECULATORS_DEFAULT_DRAFT_VOCAB = 32000
@@ -25,12 +27,10 @@ _TINY_MAX_ANCHORS = 128
 
 
 def _target_text_config(model_dir):
+    """The target's decoder settings (job.target's one rule; speculators unwraps the same way:
+    models.utils.get_verifier_config)."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    # Multimodal / hybrid targets (e.g. Qwen3_5ForConditionalGeneration) nest the decoder config;
-    # speculators does the same unwrapping (models.utils.get_verifier_config).
-    text = cfg.get("text_config")
-    return text if isinstance(text, dict) else cfg
+        return text_config(json.load(f))
 
 
 def _trainer_layer_ids(manifest, num_layers):

@@ -128,27 +128,10 @@ def build_model(args):
 
 def target_final_norm(model_dir: str):
     """The target's own final norm module (its class, built on the meta device from its config) with the
-    checkpoint's weight, in float32, on the CPU."""
-    import torch  # heavy: imported on use
-    from safetensors import safe_open  # the trainers' environment only
-    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: imported on use
+    checkpoint's weight, in float32, on the CPU: the export's loader (job/export/norm.py), the one lookup of it."""
+    from job.export.norm import load_final_norm  # heavy (torch, transformers): imported on use
 
-    with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    # The decoder's final norm: model.norm, or model.language_model.norm for Qwen3.5/3.6 (a ForConditionalGeneration).
-    name, norm = next((n, m) for n, m in target.named_modules() if n in ("model.norm", "model.language_model.norm"))
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    files = json.load(open(index))["weight_map"] if os.path.exists(index) else {}
-    for key in (f"{name}.weight", "model.norm.weight", "model.language_model.norm.weight"):
-        path = os.path.join(model_dir, files.get(key, "model.safetensors"))
-        if os.path.exists(path):
-            with safe_open(path, "pt") as f:
-                if key in f.keys():
-                    norm = norm.to_empty(device="cpu").float()
-                    with torch.no_grad():
-                        norm.weight.copy_(f.get_tensor(key).float())
-                    return norm.eval().requires_grad_(False)
-    raise ValueError(f"the target's final norm weight is not in {model_dir}")
+    return load_final_norm(model_dir, "float32").requires_grad_(False)
 
 
 def with_the_target_s_final_norm(model, model_dir: str) -> bool:
