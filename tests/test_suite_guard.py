@@ -29,6 +29,21 @@ def run_session(tmp_path: Path, files: dict[str, str], *args: str, env: dict | N
     return proc, time.monotonic() - started
 
 
+SLEEPER = """
+    import time
+    def test_sleeper():
+        time.sleep(300)
+"""
+
+
+def ended_within_a_minute(proc: subprocess.CompletedProcess, took_s: float, after: str) -> str:
+    """The session's output, once it is known to have failed and ended within a minute of `after`."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took_s < 60, f"the session went on for {took_s:.0f} s after {after}:\n{out}"
+    return out
+
+
 def test_a_test_that_kills_its_worker_ends_the_session_within_a_minute_named(tmp_path):
     proc, took_s = run_session(tmp_path, {
         "test_a_dies.py": """
@@ -38,14 +53,8 @@ def test_a_test_that_kills_its_worker_ends_the_session_within_a_minute_named(tmp
                 time.sleep(2.5)  # the worker mirrors its test's output every second
                 os.kill(os.getpid(), signal.SIGKILL)
         """,
-        "test_b_long.py": """
-            import time
-            def test_sleeper():
-                time.sleep(300)
-        """})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert took_s < 60, f"the session went on for {took_s:.0f} s after its worker died:\n{out}"
+        "test_b_long.py": SLEEPER})
+    out = ended_within_a_minute(proc, took_s, "its worker died")
     assert "died" in out and "while running test_a_dies.py::test_killer" in out, out
     assert "the last words of the dying test" in out, out
     assert "memory available" in out, out
@@ -92,14 +101,8 @@ def test_x_stops_the_session_at_the_first_failure_not_after_each_workers_file(tm
                 import time
                 time.sleep(300)
         """,
-        "test_long.py": """
-            import time
-            def test_sleeper():
-                time.sleep(300)
-        """}, "-x")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert took_s < 60, f"the session went on for {took_s:.0f} s after the first failure:\n{out}"
+        "test_long.py": SLEEPER}, "-x")
+    out = ended_within_a_minute(proc, took_s, "the first failure")
     assert "test_fails.py::test_wrong failed" in out and "assert 1 == 2" in out, out
 
 
