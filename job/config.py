@@ -124,7 +124,7 @@ class QualityConfig:
         check_fields(self, "quality")
 
 
-REGENERATE_MODES = ("last_turn", "every_assistant_turn", "none")
+REGENERATE_MODES = ("last_turn", "every_assistant_turn", "conversation", "none")
 
 
 @dataclass(kw_only=True)
@@ -144,6 +144,13 @@ class GenerateConfig:
     `every_assistant_turn`: one output row per assistant turn of the data (plus one after a final user or tool
     message), each generated on the history before it as the data has it; ids become "{id}#{turn}". Both keep
     the turn index (`turn`) and the data's own length of that turn (`original_turn_tokens`).
+    `conversation`: the rows of every_assistant_turn (same ids and turns), but each conversation is regenerated
+    turn by turn: turn k is generated after the user turns, system prompt and tool calls/results of the data and
+    the model's OWN answers to turns < k (rendered through the chat template, which keeps or drops their reasoning
+    as it does when the model is served): what the served target sees at every turn. A conversation's turns run one
+    after the other; many conversations run at once. A turn that fails (e.g. its prompt, grown by the earlier
+    answers, too long for max_model_len) is a row error and the turns after it are row errors naming it. Why a row
+    per turn and not one per conversation: job/generate/prompts.py ("each turn on the model's own earlier answers").
     `none`: nothing is generated and no engine is started: each row's completion is the data's OWN last assistant
     turn, tokenized as the chat template renders the whole conversation (prompts.data_turn_ids), with
     finish_reason "data" and the usual quality flags. The baseline most teams train on, made into a run stage 2

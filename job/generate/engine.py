@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import socket
@@ -238,8 +239,11 @@ class CompletionGenerator:
                 undecodable.setdefault(i, f"unit failed {limit} times: its engine actor died or hung every time "
                                           "(out of memory, an engine crash, a hang); not generated. Delete this "
                                           "shard and rerun to try again")
-        # One input row → one output row per turn to generate (generate.regenerate); `source` maps them back.
+        # One input row → one output row per turn to generate (generate.regenerate); `source` maps them back. Each
+        # job yields a list of rows: one, or a conversation's turns (`conversation`: generated one after the other,
+        # while the other conversations' turns keep the engine full).
         jobs, source = [], []
+        mode = self.config.generate.regenerate
         for i, row in enumerate(rows):
             if i in undecodable:
                 jobs.append(self._error_row(row, undecodable[i]))
@@ -248,15 +252,19 @@ class CompletionGenerator:
             try:
                 messages = prompts.row_messages(row)
                 tools = prompts.row_tools(row)
-                targets = prompts.regeneration_targets(str(row[schema.ID]), messages, self.config.generate.regenerate)
+                targets = prompts.regeneration_targets(str(row[schema.ID]), messages, mode)
             except prompts.RowError as e:  # a bad conversation: one error row under the row's own id
                 jobs.append(self._error_row(row, str(e)))
                 source.append(i)
                 continue
+            if mode == prompts.CONVERSATION:
+                jobs.append(self._run_conversation(targets, tools))
+                source += [i] * len(targets)
+                continue
             for turn in targets:
-                jobs.append(self._run_row(turn, tools))
+                jobs.append(self._one(self._run_row(turn, tools)))
                 source.append(i)
-        results = await asyncio.gather(*jobs)
+        results = [r for rows_of_job in await asyncio.gather(*jobs) for r in rows_of_job]
         if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard
             mask = pa.array([i in undecodable for i in range(table.num_rows)])
             table = pa.table({name: pc.if_else(mask, pa.nulls(table.num_rows, col.type), col) if name != schema.ID
@@ -304,8 +312,33 @@ class CompletionGenerator:
         except (OSError, storage.StorageError):
             pass  # a stale count only matters to the job that wrote it
 
-    async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
-        return _error_result(str(row[schema.ID]), error)
+    async def _error_row(self, row: dict[str, Any], error: str) -> list[dict[str, Any]]:
+        return [_error_result(str(row[schema.ID]), error)]
+
+    @staticmethod
+    async def _one(job) -> list[dict[str, Any]]:
+        return [await job]
+
+    async def _run_conversation(self, targets: list[prompts.Target], tools: list[dict] | None) -> list[dict]:
+        """`generate.regenerate: conversation`: the conversation's turns one after the other, turn k on the data's
+        history with the assistant turns before it replaced by the model's own answers (prompts.with_own_answers),
+        rendered through the chat template like any prompt. Each turn takes its own place at the gate, so the engine
+        runs other conversations' turns meanwhile. A turn that fails (its prompt too long for the context, a
+        template error, a refused request) ends the conversation: the turns after it have no answer to follow and
+        are row errors naming that turn; the turns before it are kept. The rows are returned together and written
+        with the unit's shard: a conversation is never half in the output."""
+        results, answers = [], []
+        for target in targets:
+            history = prompts.with_own_answers(target.history, answers)
+            result = await self._run_row(dataclasses.replace(target, history=history), tools)
+            results.append(result)
+            if result[schema.ERROR] is not None:
+                why = f"not generated: turn {target.turn} of this conversation failed ({result[schema.ERROR]})"
+                for later in targets[len(results):]:
+                    results.append({**_error_result(later.id, why[:500]), schema.TURN: later.turn})
+                break
+            answers.append(prompts.own_answer(result[schema.REASONING], result[schema.ANSWER]))
+        return results
 
     async def _run_row(self, target: prompts.Target, tools: list[dict] | None) -> dict[str, Any]:
         gen = self.config.generate
