@@ -156,6 +156,13 @@ class GenerateConfig:
     finish_reason "data" and the usual quality flags. The baseline most teams train on, made into a run stage 2
     reads like any other (bench/bench_acceptance.py compares drafters trained on it and on regenerated data). A row
     that does not end with an assistant turn is a row error."""
+    sampling_variants: list[dict[str, Any]] = field(default_factory=list)
+    """Diversity: per-prompt variation of the sampling settings. Each entry is a set of vllm.SamplingParams keys over
+    `sampling` and may set `enable_thinking` (true/false) over the run's, e.g. [{temperature: 0.6}, {temperature:
+    1.0}, {temperature: 1.0, enable_thinking: false}]. Each input row (a conversation: all its turns) takes one
+    entry, drawn from (seed, id) (prompts.variant_index): the same on every rerun whatever the batching, about
+    evenly mixed. Its index is recorded per row (`variant`); `report` and the notebook show the mix. Empty (the
+    default): every row is sampled with `sampling` and `enable_thinking`."""
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
     per_request_seed: bool = False
@@ -207,6 +214,27 @@ class GenerateConfig:
         if self.regenerate not in REGENERATE_MODES:
             raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
                               f"got {self.regenerate!r}")
+        check_sampling_variants(self.sampling_variants, self.regenerate)
+
+
+def check_sampling_variants(variants, regenerate: str) -> None:
+    """generate.sampling_variants: a list of non-empty mappings; `enable_thinking` true or false; no `n` (one
+    completion per row) or `seed` (rows' seeds are the job's); nothing to vary under `regenerate: none`. The
+    sampling keys themselves are vLLM's: the engine refuses an unknown one when it starts."""
+    key = "generate.sampling_variants"
+    if not isinstance(variants, list):
+        raise ConfigError(f"config: {key} must be a list of sampling settings, got {variants!r}")
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict) or not v:
+            raise ConfigError(f"config: {key}[{i}] must be a non-empty mapping of sampling settings, got {v!r}")
+        if "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
+            raise ConfigError(f"config: {key}[{i}].enable_thinking must be true or false, got {v['enable_thinking']!r}")
+        for fixed in ("n", "seed"):
+            if fixed in v:
+                raise ConfigError(f"config: {key}[{i}] may not set {fixed!r} (one completion per row, each row's seed "
+                                  "drawn from generate.seed and its id)")
+    if variants and regenerate == "none":
+        raise ConfigError(f"config: {key} varies sampling, and generate.regenerate: none samples nothing")
 
 
 ATTENTION_MODES = ("auto", "packed", "padded")

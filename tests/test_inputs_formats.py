@@ -336,6 +336,30 @@ def test_conversation_turn_context_is_the_template_s_rendering_of_the_model_s_ow
     assert holds(turn1, "Green, like grass.<|im_end|>") and "Purple" not in tokenizer.decode(turn1)
 
 
+def test_a_row_s_sampling_variant_is_drawn_from_its_id_reproducibly_and_evenly():
+    ids = [f"row{i}" for i in range(3000)]
+    drawn = [prompts.variant_index(0, i, 3) for i in ids]
+    assert drawn == [prompts.variant_index(0, i, 3) for i in ids], "the same on every rerun"
+    assert all(900 < n < 1100 for n in Counter(drawn).values()), Counter(drawn)
+    assert drawn != [prompts.variant_index(1, i, 3) for i in ids], "another run seed, another draw"
+    assert {prompts.variant_index(0, i, 1) for i in ids} == {0}
+
+
+def test_the_report_shows_the_variant_mix():
+    from job.generate import report
+
+    table = pa.table({"variant": pa.array([0, 1, 1, None, 1], pa.int32())})
+    ok = pa.array([True, True, True, False, False]).to_numpy(zero_copy_only=False)
+    variants = [{"temperature": 0.6}, {"temperature": 1.0, "enable_thinking": False}]
+    mix = report.variant_mix(table, ok, variants)
+    assert [(v["variant"], v["rows"], v["share"]) for v in mix] == [(0, 1, 1 / 3), (1, 2, 2 / 3)]
+    assert report.variant_mix(table, ok, None) == [] and report.variant_mix(pa.table({"x": [1]}), ok[:1], variants)[0][
+        "rows"] == 0, "no variants, or shards made before the column existed"
+    rep = {"run": "r", "status": "complete", "rows_total": 5, "rows_done": 5, "rows_error": 2, "output_tokens": 9,
+           "flags": {}, "tokens": {}, "finish_reasons": {}, "error_kinds": {}, "variants": mix}
+    assert "   1         2   66.7%  temperature=1.0, enable_thinking=False" in report.format_report(rep)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: stage 1 (`conversation`, its engine actor killed mid-run) and stage 2 on the tiny model
 # ---------------------------------------------------------------------------------------------------------------
@@ -387,9 +411,11 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
         tokenizer.chat_template
     (tmp_path / "template.jinja").write_text(template)
     run = tmp_path / "run"
+    variants = [{"temperature": 0.5}, {"temperature": 1.0, "enable_thinking": False}]  # diversity, per conversation
     # Two rows in the engine and one unit at a time: conversations advance slowly, so the kill finds units half done.
     config = make_config(input=str(inp), output=str(run),
                          **{"generate.chat_template": str(tmp_path / "template.jinja"),
+                            "generate.sampling_variants": variants,
                             "generate.rows_per_shard": 4, "generate.regenerate": "conversation",
                             "generate.max_rows_in_flight": 2, "generate.units_in_flight_per_engine": 1,
                             "generate.sampling": {"max_tokens": 24}, "quality.canary_rows": 0,
@@ -426,18 +452,23 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
             continue
         target, tools = expected
         assert row["turn"] == target.turn
+        variant = prompts.variant_index(0, row["id"].split("#")[0], len(variants))
+        thinking = variants[variant].get("enable_thinking", True)
         assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
         if row["id"].startswith("long#"):
             continue
         assert row["error"] is None, row["error"]
+        assert row["variant"] == variant, "every turn of a conversation sampled with its row's variant"
+        assert (row["num_reasoning_tokens"] > 0 or not row["reasoning"]) if thinking else row["reasoning"] == ""
         # The context: the data's history with each earlier assistant turn replaced by this conversation's own row.
         base = row["id"].split("#")[0]
         own = [by_id[f"{base}#{k}"] for k in range(target.turn)]
         history = prompts.with_own_answers(target.history, [prompts.own_answer(r["reasoning"], r["answer"])
                                                             for r in own])
         assert row["prompt_token_ids"] == prompts.render_prompt_ids(
-            tokenizer, history, chat_template=template, enable_thinking=True, chat_template_kwargs={},
+            tokenizer, history, chat_template=template, enable_thinking=thinking, chat_template_kwargs={},
             tools=tools), f"{row['id']}: the history with the model's own answers, with its tools"
+        assert not row["template_mismatch"], "each variant's own generation prompt (thinking on or off)"
         for earlier in own:  # each earlier answer, token for token, in this turn's context
             if earlier["answer"]:
                 assert holds(row["prompt_token_ids"], tokenizer(earlier["answer"] + "<|im_end|>",
@@ -450,6 +481,13 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
     assert by_id["long#0"]["error"] is None
     assert by_id["long#1"]["error"].startswith("prompt too long: "), by_id["long#1"]["error"]
     assert by_id["long#2"]["error"] == f"not generated: turn 1 of this conversation failed ({by_id['long#1']['error']})"
+
+    # The mix of variants, as the report (and the notebook, which prints it) shows it.
+    from job.generate import report
+
+    mix = report.build_report(config.output)["variants"]
+    assert [v["settings"] for v in mix] == variants and all(v["rows"] for v in mix), mix
+    assert sum(v["rows"] for v in mix) == sum(r["error"] is None for r in by_id.values())
 
     # The notebook's per-turn table: rows per turn and the originals' mean length, from the shards.
     from job.runview import notebook as ji

@@ -314,6 +314,13 @@ def row_seed(run_seed: int, row_id: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
+def variant_index(run_seed: int, row_id: str, num_variants: int) -> int:
+    """Which of `generate.sampling_variants` an input row (all turns of a conversation) is sampled with: drawn from
+    (run seed, id), so the same on every rerun and independent of batching, and about evenly mixed."""
+    digest = hashlib.blake2b(f"{run_seed}\x00variant\x00{row_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % num_variants
+
+
 def split_completion(tokenizer, output_ids: list[int], think_end_id: int | None, thinking: bool):
     """(reasoning, answer, num_reasoning_tokens, num_answer_tokens, think_closed) from the output token ids.
 
