@@ -297,7 +297,7 @@ def test_conversation_mode_has_every_turn_s_targets_and_own_histories():
     assert prompts.with_own_answers(every[0].history, []) == every[0].history
     assert prompts.own_answer("", "Hi.") == {"role": "assistant", "content": "Hi."}, "no reasoning: none passed on"
     assert prompts.own_answer(None, None) == {"role": "assistant", "content": ""}, "a turn that produced nothing"
-    with pytest.raises(AssertionError, match="1 answers for a history of 2 assistant turns"):
+    with pytest.raises(AssertionError, match="1 answers for a history of 3 assistant turns"):
         prompts.with_own_answers(convo + [msg(U), msg(A, "more"), msg(U)], own)
 
 

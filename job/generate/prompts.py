@@ -230,17 +230,17 @@ def with_own_answers(history: list[dict[str, Any]], answers: list[dict[str, Any]
     in order, by the model's own `answers` (own_answer). System prompts, user turns, tool results and the data's
     tool calls are kept: a replaced message that called tools keeps the data's calls, which the tool results after
     it answer. Every assistant message of the history needs its answer."""
-    out, k = [], 0
+    num_turns = sum(m["role"] == "assistant" for m in history)
+    assert num_turns == len(answers), f"{len(answers)} answers for a history of {num_turns} assistant turns"
+    out, own = [], iter(answers)
     for m in history:
         if m["role"] != "assistant":
             out.append(m)
             continue
-        own = dict(answers[k])
+        answer = dict(next(own))
         if m.get("tool_calls"):
-            own["tool_calls"] = m["tool_calls"]
-        out.append(own)
-        k += 1
-    assert k == len(answers), f"{len(answers)} answers for a history of {k} assistant turns"
+            answer["tool_calls"] = m["tool_calls"]
+        out.append(answer)
     return out
 
 
