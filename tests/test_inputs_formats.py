@@ -451,13 +451,13 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
             assert row["error"] == expected and row["id"] in bad and row["topic"] == "bad"
             continue
         target, tools = expected
-        assert row["turn"] == target.turn
         variant = prompts.variant_index(0, row["id"].split("#")[0], len(variants))
         thinking = variants[variant].get("enable_thinking", True)
         assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
         if row["id"].startswith("long#"):
             continue
         assert row["error"] is None, row["error"]
+        assert row["turn"] == target.turn
         assert row["variant"] == variant, "every turn of a conversation sampled with its row's variant"
         assert (row["num_reasoning_tokens"] > 0 or not row["reasoning"]) if thinking else row["reasoning"] == ""
         # The context: the data's history with each earlier assistant turn replaced by this conversation's own row.
@@ -481,6 +481,7 @@ def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray
     assert by_id["long#0"]["error"] is None
     assert by_id["long#1"]["error"].startswith("prompt too long: "), by_id["long#1"]["error"]
     assert by_id["long#2"]["error"] == f"not generated: turn 1 of this conversation failed ({by_id['long#1']['error']})"
+    assert by_id["long#2"]["turn"] == 2 and by_id["long#2"]["topic"] == "long"
 
     # The mix of variants, as the report (and the notebook, which prints it) shows it.
     from job.generate import report
