@@ -124,7 +124,7 @@ class QualityConfig:
         check_fields(self, "quality")
 
 
-REGENERATE_MODES = ("last_turn", "every_assistant_turn", "none")
+REGENERATE_MODES = ("last_turn", "every_assistant_turn", "conversation", "none")
 
 
 @dataclass(kw_only=True)
@@ -144,11 +144,25 @@ class GenerateConfig:
     `every_assistant_turn`: one output row per assistant turn of the data (plus one after a final user or tool
     message), each generated on the history before it as the data has it; ids become "{id}#{turn}". Both keep
     the turn index (`turn`) and the data's own length of that turn (`original_turn_tokens`).
+    `conversation`: the rows of every_assistant_turn (same ids and turns), but each conversation is regenerated
+    turn by turn: turn k is generated after the user turns, system prompt and tool calls/results of the data and
+    the model's OWN answers to turns < k (rendered through the chat template, which keeps or drops their reasoning
+    as it does when the model is served): what the served target sees at every turn. A conversation's turns run one
+    after the other; many conversations run at once. A turn that fails (e.g. its prompt, grown by the earlier
+    answers, too long for max_model_len) is a row error and the turns after it are row errors naming it. Why a row
+    per turn and not one per conversation: job/generate/prompts.py ("each turn on the model's own earlier answers").
     `none`: nothing is generated and no engine is started: each row's completion is the data's OWN last assistant
     turn, tokenized as the chat template renders the whole conversation (prompts.data_turn_ids), with
     finish_reason "data" and the usual quality flags. The baseline most teams train on, made into a run stage 2
     reads like any other (bench/bench_acceptance.py compares drafters trained on it and on regenerated data). A row
     that does not end with an assistant turn is a row error."""
+    sampling_variants: list[dict[str, Any]] = field(default_factory=list)
+    """Diversity: per-prompt variation of the sampling settings. Each entry is a set of vllm.SamplingParams keys over
+    `sampling` and may set `enable_thinking` (true/false) over the run's, e.g. [{temperature: 0.6}, {temperature:
+    1.0}, {temperature: 1.0, enable_thinking: false}]. Each input row (a conversation: all its turns) takes one
+    entry, drawn from (seed, id) (prompts.variant_index): the same on every rerun whatever the batching, about
+    evenly mixed. Its index is recorded per row (`variant`); `report` and the notebook show the mix. Empty (the
+    default): every row is sampled with `sampling` and `enable_thinking`."""
     seed: int = 0
     """Run seed. Each row's seed is derived from (seed, id) and stored in the `seed` column."""
     per_request_seed: bool = False
@@ -200,6 +214,27 @@ class GenerateConfig:
         if self.regenerate not in REGENERATE_MODES:
             raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
                               f"got {self.regenerate!r}")
+        check_sampling_variants(self.sampling_variants, self.regenerate)
+
+
+def check_sampling_variants(variants, regenerate: str) -> None:
+    """generate.sampling_variants: a list of non-empty mappings; `enable_thinking` true or false; no `n` (one
+    completion per row) or `seed` (rows' seeds are the job's); nothing to vary under `regenerate: none`. The
+    sampling keys themselves are vLLM's: the engine refuses an unknown one when it starts."""
+    key = "generate.sampling_variants"
+    if not isinstance(variants, list):
+        raise ConfigError(f"config: {key} must be a list of sampling settings, got {variants!r}")
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict) or not v:
+            raise ConfigError(f"config: {key}[{i}] must be a non-empty mapping of sampling settings, got {v!r}")
+        if "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
+            raise ConfigError(f"config: {key}[{i}].enable_thinking must be true or false, got {v['enable_thinking']!r}")
+        for fixed in ("n", "seed"):
+            if fixed in v:
+                raise ConfigError(f"config: {key}[{i}] may not set {fixed!r} (one completion per row, each row's seed "
+                                  "drawn from generate.seed and its id)")
+    if variants and regenerate == "none":
+        raise ConfigError(f"config: {key} varies sampling, and generate.regenerate: none samples nothing")
 
 
 ATTENTION_MODES = ("auto", "packed", "padded")

@@ -102,6 +102,7 @@ def identity(config: RunConfig, sampling: dict, chat_template: str | None, input
         "chat_template_kwargs": gen.chat_template_kwargs,
         "seed": gen.seed,
         "regenerate": gen.regenerate,
+        "sampling_variants": gen.sampling_variants,
         "input_fingerprint": input_fingerprint,
     })
 

@@ -31,7 +31,7 @@ from job.storage import StorageConfig
 
 SMALL_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
                  schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, schema.TURN, schema.ORIGINAL_TURN_TOKENS,
-                 *schema.QUALITY_FLAGS, schema.ERROR]
+                 schema.VARIANT, *schema.QUALITY_FLAGS, schema.ERROR]
 """Every per-row column of a completion shard that is a number, a flag or short text (no token lists)."""
 
 

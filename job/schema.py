@@ -35,6 +35,7 @@ NUM_ANSWER_TOKENS = "num_answer_tokens"
 SEED = "seed"
 TURN = "turn"  # which assistant turn of the conversation was generated (0-based; generate.regenerate)
 ORIGINAL_TURN_TOKENS = "original_turn_tokens"  # tokens of the data's own text of that turn; null if it had none
+VARIANT = "variant"  # index into generate.sampling_variants of the settings the row was sampled with; null: none
 ERROR = "error"
 
 # Quality flags (job/generate/quality.py computes them). One boolean column each; null on error rows.
@@ -69,6 +70,7 @@ COMPLETION_FIELDS = [
     pa.field(SEED, pa.int64()),
     pa.field(TURN, pa.int32()),
     pa.field(ORIGINAL_TURN_TOKENS, pa.int32()),
+    pa.field(VARIANT, pa.int32()),
     *[pa.field(flag, pa.bool_()) for flag in QUALITY_FLAGS],
     pa.field(ERROR, pa.string()),
 ]

@@ -78,3 +78,22 @@ def test_max_num_seqs_is_a_positive_int_or_auto():
         with pytest.raises(ConfigError, match="^config: engine_kwargs.max_num_seqs must be a positive int or 'auto'"):
             load_config(DEMO_CONFIG, **{"engine_kwargs.max_num_seqs": bad})
     assert load_config(DEMO_CONFIG, **{"engine_kwargs.max_num_seqs": "auto"}).engine_kwargs["max_num_seqs"] == "auto"
+
+
+def test_regenerate_modes_and_sampling_variants():
+    assert load_config(DEMO_CONFIG, **{"generate.regenerate": "conversation"}).generate.regenerate == "conversation"
+    with pytest.raises(ConfigError, match="^config: generate.regenerate must be one of last_turn, "
+                                          "every_assistant_turn, conversation, none, got 'turns'"):
+        load_config(DEMO_CONFIG, **{"generate.regenerate": "turns"})
+    variants = [{"temperature": 0.6}, {"temperature": 1.0, "enable_thinking": False}]
+    assert load_config(DEMO_CONFIG, **{"generate.sampling_variants": variants}).generate.sampling_variants == variants
+    key = "^config: generate.sampling_variants"
+    for bad, words in [({"temperature": 0.6}, " must be a list of sampling settings"),
+                       ([{"temperature": 0.6}, {}], r"\[1\] must be a non-empty mapping"),
+                       (["hot"], r"\[0\] must be a non-empty mapping"),
+                       ([{"enable_thinking": "no"}], r"\[0\].enable_thinking must be true or false, got 'no'"),
+                       ([{"n": 2}], r"\[0\] may not set 'n'"), ([{"seed": 3}], r"\[0\] may not set 'seed'")]:
+        with pytest.raises(ConfigError, match=key + words):
+            load_config(DEMO_CONFIG, **{"generate.sampling_variants": bad})
+    with pytest.raises(ConfigError, match=f"{key} varies sampling, and generate.regenerate: none samples nothing"):
+        load_config(DEMO_CONFIG, **{"generate.sampling_variants": variants, "generate.regenerate": "none"})

@@ -408,6 +408,51 @@ def test_conversations_keep_valid_rows_and_report_every_other_one(tmp_path):
     assert summary["num_input_rows"] == len(cases) == summary["num_samples"] + summary["num_dropped"]
 
 
+def test_conversation_runs_export_one_conversation_each_every_turn_the_model_s_own(tmp_path):
+    """`generate.regenerate: conversation`: SpecForge's conversations export writes each conversation once, as it was
+    regenerated (the data's user turns, every assistant turn the model's own with its reasoning: what SpecForge's own
+    regenerate_train_data.py writes), not one row per turn on the data's history. A turn that is unusable (an error,
+    truncated) cuts its conversation there, each later turn dropped naming it; per-row thinking follows the row's
+    sampling variant (generate.sampling_variants)."""
+    data = json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "DATA-0"},
+                       {"role": "user", "content": "b"}, {"role": "assistant", "content": "DATA-1"},
+                       {"role": "user", "content": "c"}])
+
+    def turn(base, k, answer, reasoning="why", variant=0, **fields):
+        row = {c: None for c in schema.COMPLETION_COLUMNS}
+        row.update(id=f"{base}#{k}", turn=k, answer=answer, reasoning=reasoning, finish_reason="stop",
+                   variant=variant, messages=data, **fields)
+        return row
+
+    rows = [turn("whole", 0, "own-0"), turn("whole", 1, "own-1"), turn("whole", 2, "own-2"),
+            turn("cut", 0, "own-0"), turn("cut", 1, "x", truncated=True), turn("cut", 2, "own-2"),
+            turn("plain", 0, "p0", reasoning="", variant=1), turn("plain", 1, "p1", reasoning="", variant=1),
+            turn("plain", 2, "p2", reasoning="", variant=1),
+            {**{c: None for c in schema.COMPLETION_COLUMNS}, "id": "bad", "error": "bad conversation: no user turn"}]
+    carried = pa.schema([pa.field("id", pa.string()), pa.field("messages", pa.string())])
+    run = str(tmp_path / "run")
+    storage.write_shard(os.path.join(run, layout.COMPLETIONS_DIR, "f00000-r0000000000-0000000004.arrow"),
+                        pa.Table.from_pylist(rows, schema=schema.completion_schema(carried)))
+    storage.write_json(os.path.join(run, "run.json"), {"config": {"generate": {
+        "regenerate": "conversation", "enable_thinking": True,
+        "sampling_variants": [{"temperature": 1.0}, {"enable_thinking": False}]}}})
+    out = str(tmp_path / "conv")
+    summary = export(run, to="specforge", format="conversations", output=out)
+    written = {w["id"]: w["conversations"] for w in map(json.loads, open(os.path.join(out, "conversations.jsonl")))}
+    dropped = {d["id"]: d["reason"] for d in map(json.loads, open(os.path.join(out, "dropped.jsonl")))}
+    own = [{"role": "assistant", "content": f"own-{k}", "reasoning_content": "why"} for k in range(3)]
+    assert written["whole"] == [{"role": "user", "content": "a"}, own[0], {"role": "user", "content": "b"}, own[1],
+                                {"role": "user", "content": "c"}, own[2]]
+    assert written["cut"] == [{"role": "user", "content": "a"}, own[0]], "cut at the truncated turn"
+    assert written["plain"][-1] == {"role": "assistant", "content": "p2"}, "variant 1: thinking off, no reasoning"
+    assert "DATA-" not in json.dumps(written)
+    assert dropped["cut#1"].startswith("truncated") and dropped["cut#2"].startswith(
+        "after turn 1 of its conversation, which is dropped (truncated")
+    assert dropped["bad"] == "stage-1 error: bad conversation: no user turn"
+    assert summary["num_samples"] == 3 and summary["num_input_rows"] == len(rows) == \
+        summary["num_rows_in_samples"] + summary["num_dropped"] and summary["one_sample_per"] == "conversation"
+
+
 def test_loss_on_every_assistant_turn_covers_the_history_s_answers(tiny_model_dir):
     """--loss-turns every_assistant_turn (SpecForge's own rule) widens stage 2's mask to the history's assistant
     turns: exactly the tokens after each "<|im_start|>assistant\\n" up to and including its "<|im_end|>", found in a

@@ -281,8 +281,87 @@ def test_regenerate_targets_histories_and_ids():
     assert [(t.id, len(t.history), t.original is None) for t in every] == [("s#0", 2, False), ("s#1", 4, True)]
 
 
+def test_conversation_mode_has_every_turn_s_targets_and_own_histories():
+    """`conversation` generates the turns every_assistant_turn does (same ids, turns, originals); each turn's history
+    is the data's with the assistant turns before it replaced by the model's own, in order: system prompt, user
+    turns, tool results and the data's tool calls kept."""
+    convo = prompts.row_messages(conversation_rows(3)[2])  # system, user, assistant(call), tool, assistant
+    every = prompts.regeneration_targets("r", convo, "every_assistant_turn")
+    assert prompts.regeneration_targets("r", convo, "conversation") == every
+    own = [prompts.own_answer("I should call the tool.", "Calling it.")]
+    history = prompts.with_own_answers(every[1].history, own)
+    assert history == [convo[0], convo[1],
+                       {"role": "assistant", "content": "Calling it.", "reasoning_content": "I should call the tool.",
+                        "tool_calls": [CALL]},
+                       convo[3]]
+    assert prompts.with_own_answers(every[0].history, []) == every[0].history
+    assert prompts.own_answer("", "Hi.") == {"role": "assistant", "content": "Hi."}, "no reasoning: none passed on"
+    assert prompts.own_answer(None, None) == {"role": "assistant", "content": ""}, "a turn that produced nothing"
+    with pytest.raises(AssertionError, match="1 answers for a history of 3 assistant turns"):
+        prompts.with_own_answers(convo + [msg(U), msg(A, "more"), msg(U)], own)
+
+
+def test_conversation_turn_context_is_the_template_s_rendering_of_the_model_s_own_answers(tokenizer):
+    """Token for token: turn 2's prompt is the chat template's rendering of the data's user turns with the model's own
+    answers to turns 0 and 1 (never the data's), as served; the reasoning of those turns is kept or dropped as the
+    template renders it (the tiny model's Qwen3 template drops reasoning before the last user message)."""
+    convo = prompts.row_messages({"messages": [
+        msg("system", "Be brief."), msg(U, "Name a color."), msg(A, "DATA-ANSWER-ZERO"),
+        msg(U, "Another one?"), msg(A, "DATA-ANSWER-ONE"), msg(U, "And a third?")]})
+    targets = prompts.regeneration_targets("r", convo, "conversation")
+    assert [(t.id, t.turn) for t in targets] == [("r#0", 0), ("r#1", 1), ("r#2", 2)]
+    answers = [prompts.own_answer("thinking about colors", "Green, like grass."),
+               prompts.own_answer("another one", "Purple.")]
+    template = dict(chat_template=None, enable_thinking=True, chat_template_kwargs={})
+    prompt = prompts.render_prompt_ids(tokenizer, prompts.with_own_answers(targets[2].history, answers), **template)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."},
+         {"role": "assistant", "content": "Green, like grass.", "reasoning_content": "thinking about colors"},
+         {"role": "user", "content": "Another one?"},
+         {"role": "assistant", "content": "Purple.", "reasoning_content": "another one"},
+         {"role": "user", "content": "And a third?"}], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert prompt == tokenizer(expected, add_special_tokens=False)["input_ids"]
+
+    def holds(ids: list[int], text: str) -> bool:
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+    for own in ("Green, like grass.", "Purple."):
+        assert holds(prompt, own + "<|im_end|>"), f"the model's own answer {own!r}, token for token"
+    text = tokenizer.decode(prompt)
+    assert "DATA-ANSWER" not in text, "the data's answers are gone"
+    assert "thinking about colors" not in text and "another one" not in text, "the template dropped old reasoning"
+    # Turn 1's context holds turn 0's own answer and nothing after it.
+    turn1 = prompts.render_prompt_ids(tokenizer, prompts.with_own_answers(targets[1].history, answers[:1]), **template)
+    assert holds(turn1, "Green, like grass.<|im_end|>") and "Purple" not in tokenizer.decode(turn1)
+
+
+def test_a_row_s_sampling_variant_is_drawn_from_its_id_reproducibly_and_evenly():
+    ids = [f"row{i}" for i in range(3000)]
+    drawn = [prompts.variant_index(0, i, 3) for i in ids]
+    assert drawn == [prompts.variant_index(0, i, 3) for i in ids], "the same on every rerun"
+    assert all(900 < n < 1100 for n in Counter(drawn).values()), Counter(drawn)
+    assert drawn != [prompts.variant_index(1, i, 3) for i in ids], "another run seed, another draw"
+    assert {prompts.variant_index(0, i, 1) for i in ids} == {0}
+
+
+def test_the_report_shows_the_variant_mix():
+    from job.generate import report
+
+    table = pa.table({"variant": pa.array([0, 1, 1, None, 1], pa.int32())})
+    ok = pa.array([True, True, True, False, False]).to_numpy(zero_copy_only=False)
+    variants = [{"temperature": 0.6}, {"temperature": 1.0, "enable_thinking": False}]
+    mix = report.variant_mix(table, ok, variants)
+    assert [(v["variant"], v["rows"], v["share"]) for v in mix] == [(0, 1, 1 / 3), (1, 2, 2 / 3)]
+    assert report.variant_mix(table, ok, None) == [] and report.variant_mix(pa.table({"x": [1]}), ok[:1], variants)[0][
+        "rows"] == 0, "no variants, or shards made before the column existed"
+    rep = {"run": "r", "status": "complete", "rows_total": 5, "rows_done": 5, "rows_error": 2, "output_tokens": 9,
+           "flags": {}, "tokens": {}, "finish_reasons": {}, "error_kinds": {}, "variants": mix}
+    assert "   1         2   66.7%  temperature=1.0, enable_thinking=False" in report.format_report(rep)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# End to end: stage 1 (every_assistant_turn, then a --limit run and the rest) and stage 2 on the tiny model
+# End to end: stage 1 (`conversation`, its engine actor killed mid-run) and stage 2 on the tiny model
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -300,52 +379,119 @@ def expected_targets(rows: list[dict], mode: str) -> dict[str, tuple[prompts.Tar
     return out
 
 
+def holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
 def test_multi_turn_jsonl_end_to_end(tmp_path, make_config, tokenizer, local_ray):
-    """Two stage-1 runs (a --limit, then the rest: ~100 s, two engine starts) and stage 2: resuming a run whose
-    output ids are per turn is what is tested, so the second run cannot be shared."""
+    """`generate.regenerate: conversation` over multi-turn JSONL (OpenAI chats, a tool trace with `tools`, ShareGPT,
+    bad conversations, one whose second turn outgrows the context): every turn's prompt is the template's rendering of
+    the data with the model's OWN earlier answers, checked token for token. The engine actor is SIGKILLed once the
+    first shard is written, while other units' conversations are half done: Ray replaces it, the retried units
+    regenerate their conversations from turn 0, and every output id is written exactly once; a rerun does nothing.
+    Then stage 2. Two engine starts (~100 s: the killed one and its replacement), as the --limit + rest runs of
+    every_assistant_turn this test held before (that mode's histories are the pure rule tested above)."""
+    import threading
+
+    from test_resume import kill_every, shards, wait_for
+
     from job.generate import run_generate
     from job.hidden_states import load, run_hidden_states
 
     rows = conversation_rows(12)
     bad = {"two_users", "tool_without_call", "empty_user"}
     rows += [{"id": name, "messages": BAD_CONVERSATIONS[name][0], "topic": "bad"} for name in sorted(bad)]
+    long_turn = " ".join(f"w{i}" for i in range(1100))  # > max_model_len (1024) tokens, from its second turn on
+    rows.append({"id": "long", "topic": "long", "messages": [msg(U, "Hi."), msg(A, "Hello."), msg(U, long_turn),
+                                                               msg(A, "Ok."), msg(U, "Bye.")]})
     inp = tmp_path / "in.jsonl"
     inp.write_text(jsonl_text(rows))
     # The tiny model's template ignores `tools`; this one (its own, after a tool list) shows they reach it.
     template = "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}" + \
         tokenizer.chat_template
     (tmp_path / "template.jinja").write_text(template)
-    config = make_config(input=str(inp), output=str(tmp_path / "run"), limit=6,
+    run = tmp_path / "run"
+    variants = [{"temperature": 0.5}, {"temperature": 1.0, "enable_thinking": False}]  # diversity, per conversation
+    # Two rows in the engine and one unit at a time: conversations advance slowly, so the kill finds units half done.
+    config = make_config(input=str(inp), output=str(run),
                          **{"generate.chat_template": str(tmp_path / "template.jinja"),
-                            "generate.rows_per_shard": 4, "generate.regenerate": "every_assistant_turn",
+                            "generate.sampling_variants": variants,
+                            "generate.rows_per_shard": 4, "generate.regenerate": "conversation",
+                            "generate.max_rows_in_flight": 2, "generate.units_in_flight_per_engine": 1,
                             "generate.sampling": {"max_tokens": 24}, "quality.canary_rows": 0,
                             "hidden_states.layer_ids": [0, -1], "hidden_states.rows_per_shard": 16})
-    run_generate(config)  # the first 6 rows, then the rest: every id exactly once across both runs
-    config.limit = None
+    hit, errors = [], []
+
+    def kill_after_first_shard():
+        try:
+            wait_for(lambda: shards(run), 300, "the first shard")
+            kill_every("ray::MapWorker")()
+            hit.append(len(shards(run)))
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    killer = threading.Thread(target=kill_after_first_shard, daemon=True)
+    killer.start()
     summary = run_generate(config)
-    assert summary.num_rows_done_before == 6 and summary.num_rows == len(rows) - 6
+    killer.join(5)
+    assert not errors, errors
+    num_shards = -(-len(rows) // 4)
+    assert hit and hit[0] < num_shards, f"the kill landed with {hit} of {num_shards} shards written"
+    assert summary.num_rows == len(rows)
+    assert run_generate(config).num_rows == 0, "a finished run rerun does nothing"
 
     table = read_run(config.output)
-    want = expected_targets(rows, "every_assistant_turn")
+    want = expected_targets(rows, "conversation")
     assert Counter(table.column("id").to_pylist()) == Counter(list(want)), "every expected id exactly once"
     assert len(want) > len(rows)  # turns expanded
-    for row in table.to_pylist():
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    num_answers_seen = 0
+    for row in by_id.values():
         expected = want[row["id"]]
         if isinstance(expected, str):
             assert row["error"] == expected and row["id"] in bad and row["topic"] == "bad"
             continue
         target, tools = expected
+        variant = prompts.variant_index(0, row["id"].split("#")[0], len(variants))
+        thinking = variants[variant].get("enable_thinking", True)
+        assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
+        if row["id"].startswith("long#"):
+            continue
         assert row["error"] is None, row["error"]
-        assert row["prompt_token_ids"] == prompts.render_prompt_ids(
-            tokenizer, target.history, chat_template=template, enable_thinking=True, chat_template_kwargs={},
-            tools=tools), f"{row['id']}: the history as the data has it, with its tools"
         assert row["turn"] == target.turn
+        assert row["variant"] == variant, "every turn of a conversation sampled with its row's variant"
+        assert (row["num_reasoning_tokens"] > 0 or not row["reasoning"]) if thinking else row["reasoning"] == ""
+        # The context: the data's history with each earlier assistant turn replaced by this conversation's own row.
+        base = row["id"].split("#")[0]
+        own = [by_id[f"{base}#{k}"] for k in range(target.turn)]
+        history = prompts.with_own_answers(target.history, [prompts.own_answer(r["reasoning"], r["answer"])
+                                                            for r in own])
+        assert row["prompt_token_ids"] == prompts.render_prompt_ids(
+            tokenizer, history, chat_template=template, enable_thinking=thinking, chat_template_kwargs={},
+            tools=tools), f"{row['id']}: the history with the model's own answers, with its tools"
+        assert not row["template_mismatch"], "each variant's own generation prompt (thinking on or off)"
+        for earlier in own:  # each earlier answer, token for token, in this turn's context
+            if earlier["answer"]:  # (a thinking turn cut by max_tokens inside its reasoning answered nothing)
+                num_answers_seen += 1
+                assert holds(row["prompt_token_ids"], tokenizer(earlier["answer"] + "<|im_end|>",
+                                                                add_special_tokens=False)["input_ids"]), row["id"]
         original = None if target.original is None else len(tokenizer(
             prompts.original_turn_text(target.original), add_special_tokens=False)["input_ids"])
         assert row["original_turn_tokens"] == original
-        assert row["topic"] == rows[[r["id"] for r in rows].index(row["id"].split("#")[0])]["topic"]
-    assert "<tools>weather </tools>" in tokenizer.decode(
-        table.filter(pa.compute.equal(table.column("id"), "c00002#1")).column("prompt_token_ids")[0].as_py())
+    assert num_answers_seen >= 3, "the thinking-off variant's answers were found in later turns' contexts"
+    assert "<tools>weather </tools>" in tokenizer.decode(by_id["c00002#1"]["prompt_token_ids"])
+    # The conversation whose second turn outgrows the context: its first turn kept, the rest row errors naming why.
+    assert by_id["long#0"]["error"] is None
+    assert by_id["long#1"]["error"].startswith("prompt too long: "), by_id["long#1"]["error"]
+    assert by_id["long#2"]["error"] == f"not generated: turn 1 of this conversation failed ({by_id['long#1']['error']})"
+    assert by_id["long#2"]["turn"] == 2 and by_id["long#2"]["topic"] == "long"
+
+    # The mix of variants, as the report (and the notebook, which prints it) shows it.
+    from job.generate import report
+
+    mix = report.build_report(config.output)["variants"]
+    assert [v["settings"] for v in mix] == variants and all(v["rows"] for v in mix), mix
+    assert sum(v["rows"] for v in mix) == sum(r["error"] is None for r in by_id.values())
 
     # The notebook's per-turn table: rows per turn and the originals' mean length, from the shards.
     from job.runview import notebook as ji

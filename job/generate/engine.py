@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import socket
@@ -85,6 +86,16 @@ def _decode_rows(table: pa.Table) -> tuple[list[dict[str, Any]], dict[int, str]]
     return rows, bad
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """How a row is sampled: vLLM's sampling keyword arguments, thinking on or off (rendered into the template), and
+    the generation prompt that template ends with (quality's template check). The run's, or one of
+    `generate.sampling_variants` (the row's `variant`)."""
+    sampling: dict
+    thinking: bool
+    generation_prompt: list[int]
+
+
 class CompletionGenerator:
     def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = "",
                  fence=None):
@@ -123,8 +134,9 @@ class CompletionGenerator:
             first = (str(e).strip().splitlines() or [""])[0]
             raise EngineStartError(f"the tokenizer of model {self.config.model} could not be loaded on "
                                    f"{socket.gethostname()}: {type(e).__name__}: {first}") from None
-        self.expected_generation_prompt = quality.generation_prompt_ids(
-            self.tokenizer, enable_thinking=gen.enable_thinking, chat_template_kwargs=gen.chat_template_kwargs)
+        self.base = RowSettings({}, gen.enable_thinking, quality.generation_prompt_ids(
+            self.tokenizer, enable_thinking=gen.enable_thinking, chat_template_kwargs=gen.chat_template_kwargs))
+        self.variants: list[RowSettings] = []  # generate.sampling_variants, made when the engine has started
         self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
         if self.think_end_id == self.tokenizer.unk_token_id:
             self.think_end_id = None
@@ -188,9 +200,24 @@ class CompletionGenerator:
         # every step. FINAL_ONLY: one message per request instead of one per generated token.
         sampling.setdefault("detokenize", False)
         sampling["output_kind"] = RequestOutputKind.FINAL_ONLY
-        self.sampling_kwargs = sampling
+        self.base = dataclasses.replace(self.base, sampling=sampling)
+        self.variants = [self._variant(i, v, SamplingParams) for i, v in enumerate(gen.sampling_variants)]
         self.SamplingParams = SamplingParams
         self.use_seed = gen.per_request_seed
+
+    def _variant(self, index: int, variant: dict, SamplingParams) -> RowSettings:
+        """One of generate.sampling_variants over the run's settings; a key vLLM does not know ends the job naming it
+        (the config checked the rest when it was read)."""
+        thinking = variant.get("enable_thinking", self.base.thinking)
+        sampling = {**self.base.sampling, **{k: v for k, v in variant.items() if k != "enable_thinking"}}
+        try:
+            SamplingParams(**sampling)
+        except Exception as e:  # TypeError (unknown key) or vLLM's ValueError (a value out of range)
+            raise EngineStartError(f"config: generate.sampling_variants[{index}] is not a valid set of vLLM "
+                                   f"sampling settings: {type(e).__name__}: {e}") from None
+        prompt = self.base.generation_prompt if thinking == self.base.thinking else quality.generation_prompt_ids(
+            self.tokenizer, enable_thinking=thinking, chat_template_kwargs=self.config.generate.chat_template_kwargs)
+        return RowSettings(sampling, thinking, prompt)
 
     def _start_engine(self, AsyncLLM, engine_args, log_from: dict[int, int]):
         """Start the engine, giving up after `generate.engine_start_timeout_s`: an engine that hangs while starting
@@ -238,8 +265,12 @@ class CompletionGenerator:
                 undecodable.setdefault(i, f"unit failed {limit} times: its engine actor died or hung every time "
                                           "(out of memory, an engine crash, a hang); not generated. Delete this "
                                           "shard and rerun to try again")
-        # One input row → one output row per turn to generate (generate.regenerate); `source` maps them back.
+        # One input row → one output row per turn to generate (generate.regenerate); `source` maps them back. Each
+        # job yields a list of rows: one, or a conversation's turns (`conversation`: generated one after the other,
+        # while the other conversations' turns keep the engine full).
         jobs, source = [], []
+        gen = self.config.generate
+        mode = gen.regenerate
         for i, row in enumerate(rows):
             if i in undecodable:
                 jobs.append(self._error_row(row, undecodable[i]))
@@ -248,15 +279,22 @@ class CompletionGenerator:
             try:
                 messages = prompts.row_messages(row)
                 tools = prompts.row_tools(row)
-                targets = prompts.regeneration_targets(str(row[schema.ID]), messages, self.config.generate.regenerate)
+                targets = prompts.regeneration_targets(str(row[schema.ID]), messages, mode)
+                # One variant per input row: a conversation's turns are sampled alike, as one served session is.
+                variant = prompts.variant_index(gen.seed, str(row[schema.ID]), len(self.variants)) \
+                    if self.variants else None
             except prompts.RowError as e:  # a bad conversation: one error row under the row's own id
                 jobs.append(self._error_row(row, str(e)))
                 source.append(i)
                 continue
+            if mode == prompts.CONVERSATION:
+                jobs.append(self._run_conversation(targets, tools, variant))
+                source += [i] * len(targets)
+                continue
             for turn in targets:
-                jobs.append(self._run_row(turn, tools))
+                jobs.append(self._one(self._run_row(turn, tools, variant)))
                 source.append(i)
-        results = await asyncio.gather(*jobs)
+        results = [r for rows_of_job in await asyncio.gather(*jobs) for r in rows_of_job]
         if undecodable:  # their carried values are not valid UTF-8 either: nulls, so every reader can read the shard
             mask = pa.array([i in undecodable for i in range(table.num_rows)])
             table = pa.table({name: pc.if_else(mask, pa.nulls(table.num_rows, col.type), col) if name != schema.ID
@@ -304,15 +342,44 @@ class CompletionGenerator:
         except (OSError, storage.StorageError):
             pass  # a stale count only matters to the job that wrote it
 
-    async def _error_row(self, row: dict[str, Any], error: str) -> dict[str, Any]:
-        return _error_result(str(row[schema.ID]), error)
+    async def _error_row(self, row: dict[str, Any], error: str) -> list[dict[str, Any]]:
+        return [_error_result(str(row[schema.ID]), error)]
 
-    async def _run_row(self, target: prompts.Target, tools: list[dict] | None) -> dict[str, Any]:
+    @staticmethod
+    async def _one(job) -> list[dict[str, Any]]:
+        return [await job]
+
+    async def _run_conversation(self, targets: list[prompts.Target], tools: list[dict] | None,
+                                variant: int | None) -> list[dict]:
+        """`generate.regenerate: conversation`: the conversation's turns one after the other, turn k on the data's
+        history with the assistant turns before it replaced by the model's own answers (prompts.with_own_answers),
+        rendered through the chat template like any prompt. Each turn takes its own place at the gate, so the engine
+        runs other conversations' turns meanwhile. A turn that fails (its prompt too long for the context, a
+        template error, a refused request) ends the conversation: the turns after it have no answer to follow and
+        are row errors naming that turn; the turns before it are kept. The rows are returned together and written
+        with the unit's shard: a conversation is never half in the output."""
+        results, answers = [], []
+        for target in targets:
+            history = prompts.with_own_answers(target.history, answers)
+            result = await self._run_row(dataclasses.replace(target, history=history), tools, variant)
+            results.append(result)
+            if result[schema.ERROR] is not None:
+                why = f"not generated: turn {target.turn} of this conversation failed ({result[schema.ERROR]})"
+                for later in targets[len(results):]:
+                    results.append({**_error_result(later.id, why[:500]), schema.TURN: later.turn})
+                break
+            answers.append(prompts.own_answer(result[schema.REASONING], result[schema.ANSWER]))
+        return results
+
+    async def _run_row(self, target: prompts.Target, tools: list[dict] | None,
+                       variant: int | None = None) -> dict[str, Any]:
         gen = self.config.generate
         row_id = target.id
+        settings = self.base if variant is None else self.variants[variant]
         result: dict[str, Any] = {c: None for c in schema.COMPLETION_COLUMNS}
         result[schema.ID] = row_id
-        template = dict(chat_template=self.chat_template, enable_thinking=gen.enable_thinking,
+        result[schema.VARIANT] = variant
+        template = dict(chat_template=self.chat_template, enable_thinking=settings.thinking,
                         chat_template_kwargs=gen.chat_template_kwargs, tools=tools)
         try:
             if self.keep_data:
@@ -333,18 +400,19 @@ class CompletionGenerator:
             result[schema.ORIGINAL_TURN_TOKENS] = len(self.tokenizer(prompts.original_turn_text(target.original),
                                                                      add_special_tokens=False)["input_ids"])
         if self.keep_data:  # the data's own turn: nothing to generate
-            return self._completed(result, prompt_ids, output_ids, "data", None)
+            return self._completed(result, prompt_ids, output_ids, "data", None, settings)
 
         seed = prompts.row_seed(gen.seed, row_id)
-        params = self.SamplingParams(**self.sampling_kwargs, **({"seed": seed} if self.use_seed else {}))
+        params = self.SamplingParams(**settings.sampling, **({"seed": seed} if self.use_seed else {}))
         async with self.gate:
             try:
-                return await self._generate(result, prompt_ids, params, seed)
+                return await self._generate(result, prompt_ids, params, seed, settings)
             except Exception as e:  # one request vLLM refuses, or output we cannot split: this row, not the job
                 log.warning("row %s failed: %s: %s", row_id, type(e).__name__, e)
                 return _error_result(row_id, f"generation failed: {type(e).__name__}: {e}"[:500])
 
-    async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int) -> dict[str, Any]:
+    async def _generate(self, result: dict[str, Any], prompt_ids: list[int], params, seed: int,
+                        settings: RowSettings) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt  # heavy: imported on use
         from vllm.v1.engine.exceptions import EngineDeadError  # heavy: imported on use
 
@@ -366,14 +434,13 @@ class CompletionGenerator:
             self.last_progress = time.monotonic()
         completion = final.outputs[0]
         return self._completed(result, prompt_ids, list(completion.token_ids), completion.finish_reason,
-                               seed if self.use_seed else None)
+                               seed if self.use_seed else None, settings)
 
     def _completed(self, result: dict[str, Any], prompt_ids: list[int], output_ids: list[int],
-                   finish_reason: str | None, seed: int | None) -> dict[str, Any]:
+                   finish_reason: str | None, seed: int | None, settings: RowSettings) -> dict[str, Any]:
         """The completion row: the token ids, their split at `</think>`, counts and quality flags."""
-        gen = self.config.generate
         # The data's own turn holds a think block only if it has one (it follows the template's prompt, not ours).
-        thinking = gen.enable_thinking and (not self.keep_data or self.think_end_id in output_ids)
+        thinking = settings.thinking and (not self.keep_data or self.think_end_id in output_ids)
         reasoning, answer, n_reasoning, n_answer, closed = prompts.split_completion(
             self.tokenizer, output_ids, self.think_end_id, thinking)
         result.update({
@@ -392,7 +459,7 @@ class CompletionGenerator:
             prompt_ids=prompt_ids, output_ids=output_ids, finish_reason=finish_reason,
             think_closed=closed, answer=answer, thinking=thinking,
             # A kept turn's prompt is the template's own rendering of the conversation: nothing to compare.
-            expected_generation_prompt=[] if self.keep_data else self.expected_generation_prompt,
+            expected_generation_prompt=[] if self.keep_data else settings.generation_prompt,
             special_ids=self.special_ids,
             config=self.config.quality))
         return result

@@ -195,9 +195,9 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
 
     Checks: every file has `id` and `prompt`, `messages` or `conversations`, and the same schema (JSONL: the
     union of all keys); ids are never null and unique across the whole input; under
-    `regenerate: every_assistant_turn`, whose outputs are named `<id>#<turn>`, no id ends in `#<digits>` (so output
-    ids are unique by construction: `a#1` beside a two-turn `a` would give two rows named `a#1`). The id check reads
-    the `id` column
+    `regenerate: every_assistant_turn` or `conversation`, whose outputs are named `<id>#<turn>`, no id ends in
+    `#<digits>` (so output ids are unique by construction: `a#1` beside a two-turn `a` would give two rows named
+    `a#1`). The id check reads the `id` column
     of every file (~1 s per 10M integer parquet ids; JSONL parses every line, docs/BENCHMARKS.md); it runs on a
     run's first start only (run.json records the result and the columns).
     """
@@ -221,7 +221,7 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
             if nan:
                 raise InputError(f"input file {f.uri}: {nan} row(s) have a NaN `{schema.ID}`; every row needs an "
                                  "id (floating-point ids are fragile: prefer strings or integers)")
-        if regenerate == prompts.EVERY_ASSISTANT_TURN:
+        if regenerate in prompts.PER_TURN_MODES:
             _refuse_turn_suffixes(f.uri, ids)
         # Uniqueness in ~8 bytes per id: a 64-bit hash per id (file by file), one sort, then an exact recheck of
         # the few ids whose hashes collide. Arrow's own hash table needs ~100 bytes per id (1 GB at 10M ids,
@@ -252,7 +252,8 @@ def validate_input(files: list[InputFile], storage_config: StorageConfig,
 
 
 def _refuse_turn_suffixes(uri: str, ids: pa.Array) -> None:
-    """Under every_assistant_turn an output is `<input id>#<turn>`: refuse input ids that already end that way."""
+    """Under every_assistant_turn and conversation an output is `<input id>#<turn>`: refuse input ids that already
+    end that way."""
     if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
         return  # integer ids cannot end in '#<digits>'
     bad = ids.filter(pc.match_substring_regex(ids, r"#[0-9]+$"))
@@ -260,9 +261,9 @@ def _refuse_turn_suffixes(uri: str, ids: pa.Array) -> None:
         shown = ", ".join(repr(v) for v in bad.slice(0, 5).to_pylist())
         more = " …" if len(bad) > 5 else ""
         raise InputError(f"input file {uri}: {len(bad)} id(s) end in '#<number>' ({shown}{more})"
-                         ", the form of generate.regenerate: every_assistant_turn's output ids (`<id>#<turn>`), so "
-                         "they could collide with another row's turns. Rename those ids, or use regenerate: "
-                         "last_turn")
+                         ", the form of generate.regenerate: every_assistant_turn's and conversation's output ids "
+                         "(`<id>#<turn>`), so they could collide with another row's turns. Rename those ids, or use "
+                         "regenerate: last_turn")
 
 
 def _hash64(ids: pa.Array) -> np.ndarray:

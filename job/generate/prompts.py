@@ -27,6 +27,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "observation": "tool", "function_response": "tool"}
 LAST_TURN, EVERY_ASSISTANT_TURN, NONE = "last_turn", "every_assistant_turn", "none"
+# Every assistant turn, generated turn by turn on the model's OWN earlier answers (with_own_answers).
+CONVERSATION = "conversation"
+PER_TURN_MODES = (EVERY_ASSISTANT_TURN, CONVERSATION)  # one output row per assistant turn, ids "<id>#<turn>"
 
 
 class RowError(ValueError):
@@ -180,7 +183,7 @@ def regeneration_targets(row_id: str, messages: list[dict[str, Any]], mode: str)
         else:
             history, original = messages, None
         return [Target(row_id, sum(m["role"] == "assistant" for m in history), history, original)]
-    if mode != EVERY_ASSISTANT_TURN:
+    if mode not in PER_TURN_MODES:  # `conversation` has every_assistant_turn's targets, histories made own later
         raise ValueError(f"unknown regenerate mode {mode!r}")
     targets, turn = [], 0
     for i, m in enumerate(messages):
@@ -190,6 +193,55 @@ def regeneration_targets(row_id: str, messages: list[dict[str, Any]], mode: str)
     if messages[-1]["role"] != "assistant":  # the conversation waits for an answer: generate it too
         targets.append(Target(f"{row_id}#{turn}", turn, messages, None))
     return targets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `generate.regenerate: conversation`: each turn on the model's own earlier answers
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Why one output row per turn (ids "<id>#<turn>", as every_assistant_turn) and not one row per conversation:
+# - Thinking mode (the production mode) keeps every turn's reasoning. Qwen's templates drop the reasoning of the
+#   assistant turns before the last user message, so in a single conversation row (the last turn's prompt) every
+#   earlier turn would appear without its reasoning, most of the tokens the target generated, and without the
+#   context it was generated in. A row per turn is exactly what the served target sees and produces at that turn:
+#   the template's rendering of the conversation so far (its own earlier answers, as the template keeps them), then
+#   its answer with its reasoning.
+# - Stage 2, the exports and both trainers already read such rows (every_assistant_turn makes them): stage 2's
+#   loss mask is the generated turn; `--loss-turns last_turn` trains on each turn once (speculators' own multi-turn
+#   rows, `_render_boundary_rows`); `every_assistant_turn` adds the history's assistant spans, here the model's own.
+# - Exactly once holds at the same unit as every mode: all rows of a conversation are in the shard of its input
+#   row, written at once when its last turn is done; a crash before leaves no row of it, a retry regenerates it
+#   from turn 0 (a later turn depends on the earlier ones, which are only in memory until the commit).
+# What it costs: stage 2 runs each turn's prefix again (prefix caching spares stage 1's prefill of it).
+
+
+def own_answer(reasoning: str | None, answer: str | None) -> dict[str, Any]:
+    """The model's own assistant message for a generated turn, as a client of the served model sends it back: the
+    answer as content and the reasoning apart (vLLM's reasoning parser returns them so). The chat template decides
+    whether the reasoning is rendered (Qwen's keep it only after the last user message): never built by hand."""
+    message = {"role": "assistant", "content": answer or ""}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def with_own_answers(history: list[dict[str, Any]], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`history` (a Target's: the data's messages before one assistant turn) with its assistant messages replaced,
+    in order, by the model's own `answers` (own_answer). System prompts, user turns, tool results and the data's
+    tool calls are kept: a replaced message that called tools keeps the data's calls, which the tool results after
+    it answer. Every assistant message of the history needs its answer."""
+    num_turns = sum(m["role"] == "assistant" for m in history)
+    assert num_turns == len(answers), f"{len(answers)} answers for a history of {num_turns} assistant turns"
+    out, own = [], iter(answers)
+    for m in history:
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        answer = dict(next(own))
+        if m.get("tool_calls"):
+            answer["tool_calls"] = m["tool_calls"]
+        out.append(answer)
+    return out
 
 
 def history_of_turn(messages: list[dict[str, Any]], turn: int | None) -> list[dict[str, Any]]:
@@ -260,6 +312,13 @@ def row_seed(run_seed: int, row_id: str) -> int:
     """A stable per-row seed from (run seed, id): the same row gets the same seed on every rerun."""
     digest = hashlib.blake2b(f"{run_seed}\x00{row_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def variant_index(run_seed: int, row_id: str, num_variants: int) -> int:
+    """Which of `generate.sampling_variants` an input row (all turns of a conversation) is sampled with: drawn from
+    (run seed, id), so the same on every rerun and independent of batching, and about evenly mixed."""
+    digest = hashlib.blake2b(f"{run_seed}\x00variant\x00{row_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % num_variants
 
 
 def split_completion(tokenizer, output_ids: list[int], think_end_id: int | None, thinking: bool):

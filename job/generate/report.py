@@ -16,7 +16,8 @@ from job import layout, scan, schema, storage
 from job.storage import StorageConfig
 
 _REPORT_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
-                   schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR]
+                   schema.NUM_REASONING_TOKENS, schema.NUM_ANSWER_TOKENS, *schema.QUALITY_FLAGS, schema.ERROR,
+                   schema.VARIANT]
 
 
 def error_kind(message: str) -> str:
@@ -64,8 +65,21 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> d
         "finish_reasons": dict(Counter(r for r, ok in zip(table.column(schema.FINISH_REASON).to_pylist(), ok_mask)
                                        if ok)),
         "error_kinds": dict(Counter(error_kind(e) for e in errors if e is not None)),
+        "variants": variant_mix(table, ok_mask, run.get("config", {}).get("generate", {}).get("sampling_variants")),
         "unreadable_shards": problems,
     }
+
+
+def variant_mix(table, ok_mask: np.ndarray, variants: list[dict] | None) -> list[dict]:
+    """generate.sampling_variants and the rows sampled with each (non-error rows, from the `variant` column), in
+    the config's order; [] for a run without variants."""
+    if not variants:
+        return []
+    counts = Counter(v for v, ok in zip(table.column(schema.VARIANT).to_pylist()
+                                        if schema.VARIANT in table.column_names else [], ok_mask) if ok)
+    total = sum(counts.values())
+    return [{"variant": i, "settings": v, "rows": counts.get(i, 0), "share": counts.get(i, 0) / total if total else 0.0}
+            for i, v in enumerate(variants)]
 
 
 def format_report(report: dict) -> str:
@@ -80,6 +94,10 @@ def format_report(report: dict) -> str:
               for name, v in report["tokens"].items()]
     lines.append("finish reasons: " + (", ".join(f"{k}={v:,}" for k, v in report["finish_reasons"].items()) or "-"))
     lines.append("error kinds: " + (", ".join(f"{k}={v:,}" for k, v in report["error_kinds"].items()) or "none"))
+    if report.get("variants"):
+        lines.append("sampling variants (generate.sampling_variants; share of non-error rows):")
+        lines += [f"  {v['variant']:>2}  {v['rows']:>8,}  {v['share']:6.1%}  "
+                  + ", ".join(f"{k}={x}" for k, x in v["settings"].items()) for v in report["variants"]]
     if report.get("unreadable_shards"):
         lines.append(scan.unreadable_line(report["unreadable_shards"], "not counted here; the next `generate` on "
                                           "this output moves them aside to quarantine/ and generates their rows again"))
