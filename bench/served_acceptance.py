@@ -96,7 +96,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
                                         "num_speculative_tokens": k}
     started = time.monotonic()
     llm = LLM(model=model, disable_log_stats=False, **kwargs)
-    result = {"draft": draft, "k": k if draft else 0, "engine_start_s": round(time.monotonic() - started, 1),
+    result = {"draft": draft, "k": k if draft else 0, "max_tokens": max_tokens,
+              "engine_start_s": round(time.monotonic() - started, 1),
               "engine_kwargs": kwargs}
     inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
     passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
@@ -143,9 +144,19 @@ def target_sampling(model_dir: str) -> dict:
     return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
 
 
-def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3") -> dict:
+def engine_failure(log_path: str, returncode: int) -> str:
+    """Why an engine's process failed: the last exception line of its log (vLLM logs to stderr)."""
+    lines = [ln.strip() for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    return f"engine process exited {returncode}: " + (raised[-1] if raised else (lines[-1] if lines else "no output"))
+
+
+def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3",
+              reuse: bool = False) -> dict:
     """Every draft bench/bench_acceptance.py saved for `seed` (EAGLE-3, or DFlash: `fmt`), and the target alone,
-    each in its own process."""
+    each in its own process (its log in OUT/served-<tag>-<set>.log). An engine that fails is recorded with why
+    (the error of its log), not raised: the other drafts are still served. `reuse`: a draft's result an earlier
+    pass of the same k and max_tokens left is read, not served again (the drafts are the reused ones too)."""
     tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
     drafts_dir = os.path.join(out, "drafts", tag)
     eval_run = os.path.join(out, "runs", "eval_greedy")
@@ -164,10 +175,25 @@ def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str
                "--k", str(k), "--max-tokens", str(max_tokens), "--sampling", json.dumps(sampling)]
         if name is not None:
             cmd += ["--draft", os.path.join(drafts_dir, name)]
-        started = time.monotonic()
-        subprocess.run(cmd, check=True)
-        entry = json.load(open(path))
-        entry["process_s"] = round(time.monotonic() - started, 1)
+        weights = os.path.join(drafts_dir, name, "model.safetensors") if name else None
+        previous = (json.load(open(path)) if reuse and os.path.exists(path) and (
+            weights is None or os.path.getmtime(path) > os.path.getmtime(weights)) else None)  # not a retrained one's
+        if previous and (previous["k"], previous.get("max_tokens")) == ((k if name else 0), max_tokens):
+            print(f"{name or 'no draft'}: reusing {path}", flush=True)
+            entry = previous
+        else:
+            started = time.monotonic()
+            log = path.removesuffix(".json") + ".log"
+            if os.path.exists(path):
+                os.remove(path)  # an earlier pass's: never read as this one's
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                entry = {"draft": cmd[-1] if name else None, "k": k if name else 0, "max_tokens": max_tokens,
+                         "greedy": {"error": engine_failure(log, proc.returncode)}, "log": log}
+            else:
+                entry = json.load(open(path))
+            entry["process_s"] = round(time.monotonic() - started, 1)
         if name is None:
             results["no_draft"] = entry
         else:
@@ -187,6 +213,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512, help="as the held-out greedy run generated")
     parser.add_argument("--format", choices=("eagle3", "dflash"), default="eagle3",
                         help="which drafts: EAGLE-3 (drafts/seed<N>/) or DFlash (drafts/seed<N>-dflash/)")
+    parser.add_argument("--reuse", action="store_true", help="read a draft's result an earlier pass of the same k "
+                        "and max tokens left (OUT/served-seed<N>[-dflash]-<set>.json) instead of serving it again")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: serve one draft, write its JSON here
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--eval-run", help=argparse.SUPPRESS)
@@ -195,7 +223,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.one:
         return run_one_in_process(args)
-    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format)
+    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format, args.reuse)
     path = os.path.join(args.out, f"served-seed{args.seed}" + ("" if args.format == "eagle3" else "-dflash") + ".json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

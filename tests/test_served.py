@@ -125,3 +125,15 @@ def test_the_serving_walk_of_an_always_right_drafter():
     lead = valid.to(torch.int64).cumprod(-1).sum(-1)  # every slot that exists is right
     assert served_walk(lead, valid[:, 0], docs, 5) == (6, 26)
     assert served_walk(lead, valid[:, 0], docs, 1) == (16, 16)
+
+
+def test_the_served_gap_is_counted_in_tau_and_in_the_draft_s_gain():
+    """The served τ against the emulated one (bench/bench_acceptance.py relative_gap): in τ, and in what the draft
+    adds beyond the target's own token (τ - 1), which is where a weak draft's gap shows."""
+    import bench_acceptance
+
+    gap = bench_acceptance.relative_gap
+    assert gap(2.0, 2.0) == {"tau": 0.0, "gain": 0.0}
+    assert gap(1.8, 2.0) == {"tau": -0.1, "gain": -0.2}  # 0.8 tokens a step against 1.0
+    assert gap(1.10, 1.05) == {"tau": 0.0476, "gain": 1.0}  # 5 % in τ, twice the (tiny) gain
+    assert gap(1.02, 1.0) == {"tau": 0.02, "gain": None}  # the emulated draft adds nothing: no ratio
