@@ -80,16 +80,18 @@ def tau_from_counters(before: dict, after: dict) -> dict:
             "accept_per_position": conditional}
 
 
-def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int) -> dict:
+def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int,
+              engine_overrides: dict | None = None) -> dict:
     """One engine (the target, with `draft` as its EAGLE-3 speculator unless None): a greedy pass and a pass at the
-    target's sampling settings over `prompts`, each counted by the engine's spec-decode counters."""
+    target's sampling settings over `prompts`, each counted by the engine's spec-decode counters.
+    `engine_overrides`: engine kwargs over the job's (a diagnostic: {"dtype": "float32"})."""
     from vllm import LLM, SamplingParams  # heavy: imported on use
 
     from job.config import DEFAULT_CONFIG, load_config
 
     config = load_config(DEFAULT_CONFIG, model=model)
     os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
-    kwargs = dict(config.engine_kwargs)
+    kwargs = {**config.engine_kwargs, **(engine_overrides or {})}
     if draft is not None:  # the method the draft's own config names: eagle3, or dflash
         method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
         kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
@@ -131,7 +133,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
 def run_one_in_process(args) -> int:
     prompts = held_out(args.eval_run)[:args.limit]
     sampled = json.loads(args.sampling)
-    result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens)
+    result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens,
+                       json.loads(args.engine_kwargs) if args.engine_kwargs else None)
     with open(args.one, "w") as f:
         json.dump(result, f)
     return 0
@@ -219,6 +222,7 @@ def main() -> int:
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--eval-run", help=argparse.SUPPRESS)
     parser.add_argument("--sampling", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-kwargs", help=argparse.SUPPRESS)  # JSON over the job's engine kwargs (--one)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # the first N prompts only (tests)
     args = parser.parse_args()
     if args.one:
