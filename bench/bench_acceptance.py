@@ -233,10 +233,11 @@ def dflash_markdown(served: dict, scores: dict) -> str:
 def served_markdown(served: dict, scores: dict) -> str:
     """The served table: τ at k draft tokens from vLLM's counters, beside the emulated τ of the same draft on the
     same prompts (all chain starts, and walked as an engine drafts), greedy and sampled; the served one's gap to
-    the walked one (relative_gap: in τ, and in the draft's gain τ - 1)."""
+    the walked one (sampled: to the emulated one; relative_gap: in τ, and in the draft's gain τ - 1)."""
     k = served["k"]
     lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | emulated τ | "
-             "emulated, walked as served | served vs walked: τ, gain | drafts | greedy output = the target's alone |",
+             "emulated, walked as served | served vs walked (sampled: vs emulated): τ, gain | drafts | "
+             "greedy output = the target's alone |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in served["sets"].items():
         emulated = scores["sets"][name]
@@ -248,7 +249,8 @@ def served_markdown(served: dict, scores: dict) -> str:
                 lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:90]} | | {tau:.2f} | | | | |")
                 continue
             walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
-            gap = relative_gap(got["tau"], walked) if walked else None
+            reference = walked if kind == "greedy" else tau  # no walk for the sampled estimate: its all-starts τ
+            gap = relative_gap(got["tau"], reference) if reference else None
             gap_cell = "—" if gap is None else f"{gap['tau']:+.1%}, " + (
                 "—" if gap["gain"] is None else f"{gap['gain']:+.0%}")
             same = f"{got['same_as_greedy_run']} / {served['prompts']}" if kind == "greedy" else "—"
