@@ -95,7 +95,8 @@ $(TRAINERS_STAMP): job/trainers/requirements.txt
 # regenerated, wrong-template and original data from the same prompts, scored on held-out prompts. ~20 min here
 # (19.6 min measured in a fresh clone, docs/BENCHMARKS.md).
 # ACCEPTANCE_ARGS=--served also serves each draft with the target in vLLM's CPU build and counts τ by the engine's
-# own spec-decode counters (bench/served_acceptance.py; 5 more engines, not yet timed end to end here).
+# own spec-decode counters (bench/served_acceptance.py: 5 more engines, greedy and sampled); "--served --dflash"
+# also trains a DFlash draft per set and serves it (4 more). Not yet timed end to end here (~50 min estimated).
 ACCEPTANCE_ARGS ?=
 acceptance: install $(TINY_MODEL) $(TRAINERS_STAMP)
 	$(PY) bench/bench_acceptance.py $(ACCEPTANCE_ARGS)

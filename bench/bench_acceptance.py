@@ -41,6 +41,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from served_acceptance import relative_gap  # noqa: E402 - bench/, beside this file
+
 from job.builtin.demo import DEMO_SCHEMA, demo_pairs  # noqa: E402
 from job.builtin.tiny_model import ensure_tiny_model  # noqa: E402
 from job.config import DEFAULT_CONFIG, load_config  # noqa: E402
@@ -197,11 +199,12 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3") -> dict:
+def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3", reuse: bool = False) -> dict:
     """The drafts of `seed` served by vLLM (bench/served_acceptance.py, its own processes): τ from the engine's
-    counters."""
+    counters. `reuse` (with --reuse-drafts): a draft an earlier run served at the same k is not served again."""
     subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "served_acceptance.py"),
-                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k), "--format", fmt], check=True)
+                    "--out", out, "--model", model, "--seed", str(seed), "--k", str(k), "--format", fmt,
+                    *(["--reuse"] if reuse else [])], check=True)
     served = json.load(open(os.path.join(out, f"served-seed{seed}" + ("" if fmt == "eagle3" else "-dflash") + ".json")))
     for entry in [*served["sets"].values(), served.get("no_draft") or {"greedy": {}}]:
         entry["greedy"].pop("greedy_outputs", None)  # kept in its own files (served-seed<N>-<set>.json)
@@ -229,29 +232,36 @@ def dflash_markdown(served: dict, scores: dict) -> str:
 
 def served_markdown(served: dict, scores: dict) -> str:
     """The served table: τ at k draft tokens from vLLM's counters, beside the emulated τ of the same draft on the
-    same prompts (all chain starts, and walked as an engine drafts), greedy and sampled."""
+    same prompts (all chain starts, and walked as an engine drafts), greedy and sampled; the served one's gap to
+    the walked one (sampled: to the emulated one; relative_gap: in τ, and in the draft's gain τ - 1)."""
     k = served["k"]
     lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | emulated τ | "
-             "emulated, walked as served | drafts | greedy output = the target's alone |",
-             "|---|---|---|---|---|---|---|---|"]
+             "emulated, walked as served | served vs walked (sampled: vs emulated): τ, gain | drafts | "
+             "greedy output = the target's alone |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in served["sets"].items():
         emulated = scores["sets"][name]
         for kind in ("greedy", "sampled"):
             got = entry.get(kind) or {"error": "not run"}
-            if "error" in got:  # the engine failed this pass (served_acceptance.py records why)
-                lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:80]} | | | | | |")
-                continue
             draft = emulated[kind]["draft"]
             tau = draft["greedy_tau" if kind == "greedy" else "sampled_tau"][k - 1]
+            if "error" in got:  # the engine failed this pass (served_acceptance.py records why)
+                lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:90]} | | {tau:.2f} | | | | |")
+                continue
             walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
+            reference = walked if kind == "greedy" else tau  # no walk for the sampled estimate: its all-starts τ
+            gap = relative_gap(got["tau"], reference) if reference else None
+            gap_cell = "—" if gap is None else f"{gap['tau']:+.1%}, " + (
+                "—" if gap["gain"] is None else f"{gap['gain']:+.0%}")
             same = f"{got['same_as_greedy_run']} / {served['prompts']}" if kind == "greedy" else "—"
             pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
             lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {tau:.2f} | "
-                         f"{'—' if walked is None else f'{walked:.2f}'} | {got['drafts']} | {same} |")
+                         f"{'—' if walked is None else f'{walked:.2f}'} | {gap_cell} | {got['drafts']} | {same} |")
     return "\n".join(lines)
 
 
-def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict | None = None) -> None:
+def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict | None = None,
+         dflash: dict | None = None) -> None:
     import matplotlib  # heavy: imported on use
 
     matplotlib.use("Agg")
@@ -266,7 +276,11 @@ def plot(summary: dict, k: int, path: str, model: str, seeds: int, served: dict 
             if served and "tau" in served["sets"].get(name, {}).get(kind, {}):  # served by vLLM: its counters' τ
                 ax.plot([served["k"]], [served["sets"][name][kind]["tau"]], marker="*", markersize=13,
                         color=bars[0].get_color(), markeredgecolor="black", linestyle="none",
-                        label="served by vLLM (its counters)" if name == "regenerated" else None)
+                        label="EAGLE-3 served by vLLM (its counters)" if name == "regenerated" else None)
+            if dflash and "tau" in dflash["sets"].get(name, {}).get(kind, {}):  # the DFlash draft, served
+                ax.plot([dflash["k"] + 0.15], [dflash["sets"][name][kind]["tau"]], marker="D", markersize=8,
+                        color=bars[0].get_color(), markeredgecolor="black", linestyle="none",
+                        label="DFlash served by vLLM" if name == "regenerated" else None)
         ax.set_title(f"{kind}: temperature {'0' if kind == 'greedy' else 'of the target (1.0, top-k 20, top-p 0.95)'}",
                      fontsize=9)
         ax.set_xlabel("draft tokens k")
@@ -341,14 +355,14 @@ def main() -> int:
         check_known_answer(scores)
         all_scores.append(scores)
     summary = summarize(all_scores)
-    served = serve(args.out, model, args.seeds[0], args.k) if args.served else None
+    served = serve(args.out, model, args.seeds[0], args.k, reuse=args.reuse_drafts) if args.served else None
     dflash = dflash_scores = None
     if args.dflash and args.served:  # the same three sets (and the untrained floor) for a DFlash draft, served only
         dflash_exports = {name: export(runs[name]["run"], os.path.join(args.out, "exports", f"{name}-dflash"),
                                        "dflash") for name in exports}
         dflash_scores = train_and_score(dflash_exports, eval_greedy, eval_sampled, args.out, args.seeds[0],
                                         args.dflash_steps, args.lr, args.k, args.reuse_drafts, fmt="dflash")
-        dflash = serve(args.out, model, args.seeds[0], args.k, "dflash")
+        dflash = serve(args.out, model, args.seeds[0], args.k, "dflash", args.reuse_drafts)
     first = all_scores[0]["sets"]["regenerated"]
     context = {"greedy_data_is_target_argmax": first["greedy"]["data_is_target_argmax"],
                "sampled_token_is_target_argmax": first["sampled"]["data_is_target_argmax"],
@@ -374,7 +388,7 @@ def main() -> int:
     # The run's report: beside stage 1's and stage 2's in run (a).
     with open(os.path.join(runs["regenerated"]["run"], "reports", "acceptance.json"), "w") as f:
         json.dump({k: v for k, v in results.items() if k != "scores"}, f, indent=1)
-    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds), served)
+    plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds), served, dflash)
     if args.write_docs:
         shutil.copy(os.path.join(args.out, "acceptance.png"), f"docs/acceptance-{args.model}.png")
     print(table)

