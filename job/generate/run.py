@@ -245,6 +245,10 @@ def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySes
                                              "max_num_seqs_auto": summary.sizing,
                                              "output_tokens_per_s": summary.output_tokens_per_s}, fence)
     try:
+        # The shards this job wrote, trusted now (one footer read each), so the next command (stage 2, `status`,
+        # a rerun) reads no footer (job/trust_cache.py).
+        scan.remember_completion_shards(config.output, scan.trusted_completion_shards(config.output, config.storage),
+                                        config.storage, fence)
         write_report(config.output, config.storage, guard=fence.guard)
         summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
     except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
@@ -283,6 +287,8 @@ def _trusted_shards(config: RunConfig, fence) -> list[str]:
         for name in found.problems:
             with fence.guard():
                 storage.move(storage.join(completions, name), storage.join(aside, f"{name}.{stamp}"), config.storage)
+    # The footers read now are not read again by the next command (job/trust_cache.py): the trusted ones only.
+    scan.remember_completion_shards(config.output, found, config.storage, fence)
     return [s.name for s in found.trusted]
 
 
