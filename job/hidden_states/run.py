@@ -290,6 +290,10 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
             this_run, seconds = _extract(config, units, layer_ids, ident, estimate, ray_session, held.fence)
             summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds,
                               time.monotonic() - started, held.fence)
+            if any(not u.done for u in units):  # the markers this job wrote, read once now: the next command reads none
+                found = scan.trusted_completion_shards(config.output, config.storage)
+                scan.remember_markers(config.output, scan.stage2_markers(config.output, found.listed, found.checks,
+                                                                         config.storage), config.storage, held.fence)
             # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
             stage1 = previous.get("generate", {})
             partial = "status" in stage1 and stage1["status"] != "complete"
