@@ -106,6 +106,12 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
     out = io.StringIO()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
+    profiler = None
+    if os.environ.get("BENCH_PROFILE"):  # --profile: the step's driver side under cProfile, top entries to stderr
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     with contextlib.redirect_stdout(out):
         if step == "a":
             summary = run_generate(config)
@@ -127,6 +133,12 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
             report.build_report(run, config.storage)
             notebook.read_rows(run, storage_config=config.storage)
     seconds = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(int(os.environ["BENCH_PROFILE"]))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
     return {"seconds": seconds, "cpu_s": cpu, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -195,7 +207,7 @@ def write_shards(config, files, carried, rows_per_shard: int, tokens_per_row: in
     import numpy as np
     import pyarrow as pa
 
-    from job import layout, schema, storage, target
+    from job import layout, scan, schema, storage, target
     from job.config import resolve_layer_ids
     from job.generate.units import pending_units
     from job.hidden_states.samples import Sample
@@ -231,8 +243,9 @@ def write_shards(config, files, carried, rows_per_shard: int, tokens_per_row: in
         columns = {**fixed, schema.ID: pa.array(ids), **{f.name: pa.array([f"prompt {i}" for i in ids])
                                                            for _, f in schema.carried_columns(carried)}}
         table = pa.Table.from_arrays([columns[f.name] for f in out_schema], schema=out_schema)
-        shard_id = uuid.uuid4().hex
-        table = table.replace_schema_metadata({schema.META_SHARD_ID: shard_id})
+        shard_id = uuid.uuid4().hex  # as the engine stamps it (job/generate/engine.py `_to_table`)
+        table = table.replace_schema_metadata({schema.META_SHARD_ID: shard_id,
+                                               schema.META_COUNTS: json.dumps(scan.shard_counts(table))})
         data = storage.table_to_ipc_bytes(table)
         uri = storage.join(completions, u.shard_name)
         storage.write_bytes_atomic(uri, data, config.storage)
@@ -337,6 +350,8 @@ def child(step: str, run: str, inp: str, model: str, endpoint: str | None) -> di
     wall = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(f"step {step} on {run} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    if os.environ.get("BENCH_PROFILE"):
+        print(p.stderr[p.stderr.find("function calls"):][:6000], flush=True)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     out["requests"] = requests_made(endpoint)
     out["wall_s"] = wall
@@ -368,10 +383,30 @@ def usd(requests: dict) -> float:
 RERUNS = {"g": "generate", "h": "hidden-states"}
 
 
+def caches(run: str) -> str:
+    """Which trust caches (job/trust_cache.py) the run has now: what the next step finds."""
+    from job import storage, trust_cache
+
+    found = [kind for kind in (trust_cache.COMPLETIONS, trust_cache.MARKERS)
+             if storage.is_s3(run) and storage.exists(trust_cache.uri_of(run, kind))]
+    return "+".join(found) or "none"
+
+
+def drop_caches(run: str) -> None:
+    """Step 0: delete the run's trust caches, so the steps after it read every footer and marker again (as on a
+    run made before the cache, until a stage's writer writes one)."""
+    from job import storage, trust_cache
+
+    for kind in (trust_cache.COMPLETIONS, trust_cache.MARKERS):
+        if storage.is_s3(run) and storage.exists(trust_cache.uri_of(run, kind)):
+            storage.delete(trust_cache.uri_of(run, kind))
+
+
 def rerun(cmd: str, run: str, inp: str, model: str, endpoint: str | None, where: str, n: int) -> None:
     """Steps g, h: `python -m job generate` / `hidden-states` on the finished run, the whole command."""
+    cache = caches(run)
     r = command([cmd], run, inp, model, endpoint)
-    print(f"rerun `{cmd}` {where} {n:,}: {r['wall_s']:.1f} s wall, {fmt_requests(r['requests'])} "
+    print(f"rerun `{cmd}` {where} {n:,} (cache {cache}): {r['wall_s']:.1f} s wall, {fmt_requests(r['requests'])} "
           f"(${usd(r['requests']):.4f}), load {os.getloadavg()[0]:.1f}; ends: {r['output'][-300:]!r}", flush=True)
 
 
@@ -386,8 +421,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shards", type=int, nargs="+", default=[7200, 20000])
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
-    parser.add_argument("--steps", default="abcde", help="in this order; g, h: the whole `generate` / "
-                        "`hidden-states` command on the finished run (wall time, imports included)")
+    parser.add_argument("--steps", default="0dbcaghdbce", help="in this order; g, h: the whole `generate` / "
+                        "`hidden-states` command on the finished run (wall time, imports included); 0: delete the "
+                        "run's trust caches (the steps after it read every footer and marker, until a stage writes "
+                        "its cache: a and g write the footers', h the markers')")
     parser.add_argument("--rows-per-shard", type=int, default=128, help="the seed: 914K prompts in ~7,200 shards")
     parser.add_argument("--tokens-per-row", type=int, default=2, help="output token ids per row: 2 keeps 20,000 "
                         "shards small (7 KB: every read of a shard is its one tail read); 400 makes ~90 KB shards "
@@ -395,6 +432,8 @@ def main() -> None:
     parser.add_argument("--model", help="default: .cache/tiny-model, else the tiny model's recipe untrained (no step "
                         "runs it: the driver reads its config, generation config and file digests)")
     parser.add_argument("--workdir", help="keep the built runs here (reused when there)")
+    parser.add_argument("--profile", type=int, metavar="N", help="run each step under cProfile and print its N "
+                        "entries of most own time")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
@@ -403,6 +442,8 @@ def main() -> None:
         print(json.dumps(run_step(args.step, args.run, args.input, args.model)))
         return
 
+    if args.profile:
+        os.environ["BENCH_PROFILE"] = str(args.profile)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-control-plane-")
     os.makedirs(workdir, exist_ok=True)
     os.environ["BENCH_CONFIG"] = config_file(workdir, args.rows_per_shard)
@@ -414,8 +455,8 @@ def main() -> None:
             args.model = ensure_tiny_model(os.path.join(workdir, "tiny-model"), train_steps=0)
     server, endpoint = start_server() if "s3" in args.where else (None, None)
     print(f"load: {os.getloadavg()}; {os.cpu_count()} CPUs; workdir {workdir}", flush=True)
-    print("| step | where | shards | seconds | driver CPU s | S3 requests | S3 $ | peak RSS MiB (over imports) | load |"
-          "\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| step | where | shards | trust cache | seconds | driver CPU s | S3 requests | S3 $ | peak RSS MiB "
+          "(over imports) | load |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     try:
         for n in args.shards:
@@ -424,12 +465,16 @@ def main() -> None:
                 run, inp = build(where, n, args.rows_per_shard, args.tokens_per_row, workdir, args.model, endpoint)
                 print(f"built {where} {n:,} shards in {time.perf_counter() - t0:.0f} s: {run}", flush=True)
                 for step in args.steps:
+                    if step == "0":
+                        drop_caches(run)
+                        continue
+                    cache = caches(run) if where == "s3" else "-"
                     if step in RERUNS:
                         rerun(RERUNS[step], run, inp, args.model, endpoint if where == "s3" else None, where, n)
                         continue
                     r = child(step, run, inp, args.model, endpoint if where == "s3" else None)
                     rows.append((STEPS[step], where, n, r))
-                    print(f"| {STEPS[step]} | {where} | {n:,} | {r['seconds']:.1f} | {r['cpu_s']:.1f} | "
+                    print(f"| {STEPS[step]} | {where} | {n:,} | {cache} | {r['seconds']:.1f} | {r['cpu_s']:.1f} | "
                           f"{fmt_requests(r['requests'])} | {usd(r['requests']):.4f} | "
                           f"{r['peak_rss_mib']:.0f} ({r['peak_rss_mib'] - r['rss_after_imports_mib']:+.0f}) | "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)

@@ -31,6 +31,7 @@ DONE_DIR = "_done"
 REPORTS_DIR = "reports"
 LOCKS_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
+CACHE_DIR = "cache"
 SHARD_SUFFIX = ".arrow"
 GENERATE_REPORT = "generate.json"
 HIDDEN_STATES_REPORT = "hidden_states.json"
@@ -93,6 +94,12 @@ def lock_name(stage: str) -> str:
     return f"{LOCKS_DIR}/{stage}.json"
 
 
+def trust_cache_name(kind: str) -> str:
+    """The trust cache of one kind of file (job/trust_cache.py): `completions` (stage 1 writes it) or `markers`
+    (stage 2)."""
+    return f"{CACHE_DIR}/{kind}.jsonz"  # gzip'd JSON; not .gz: pyarrow would (de)compress it by the name
+
+
 def attempts_name(unit: CompletionUnit) -> str:
     return f"{ATTEMPTS_DIR}/{unit.stem}.json"
 
@@ -116,6 +123,11 @@ class HiddenStateUnit:
     `stale` markers."""
     stale: list[str] = field(default_factory=list)
     """Markers of this shard made from another content of it (the driver deletes them; not sent to actors)."""
+    counts: dict | None = None
+    """The shard's counts from its footer (scan.shard_counts) when it has them: the driver's estimate uses them;
+    not sent to actors."""
+    marker: dict | None = None
+    """The marker that makes this unit done, when the driver read it (its report uses it); not sent to actors."""
 
     @property
     def tag(self) -> str:

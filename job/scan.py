@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from job import layout, schema, storage
+from job import layout, schema, storage, trust_cache
 from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
@@ -61,18 +61,20 @@ class CompletionShard:
     size: int
     mtime: float
     """Seconds since the epoch (0.0 when the store gives none)."""
+    etag: str | None = None
+    """The listing's content id (S3's ETag; None for a local file): what the trust cache keys on."""
 
 
 def list_completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[CompletionShard]:
     """The completion shards of a run, sorted by name; [] before the first one is written."""
     directory = storage.join(run_uri, layout.COMPLETIONS_DIR)
     shards = []
-    for name, size, mtime in storage.list_file_infos(directory, layout.SHARD_SUFFIX, storage_config):
+    for name, size, mtime, etag in storage.list_file_entries(directory, layout.SHARD_SUFFIX, storage_config):
         parsed = layout.parse_completion_shard_name(name)
         if parsed is None:  # not ours (a file someone copied in): ignored, never counted
             continue
         shards.append(CompletionShard(name=name, uri=storage.join(directory, name), file_index=parsed[0],
-                                      start=parsed[1], stop=parsed[2], size=size, mtime=mtime or 0.0))
+                                      start=parsed[1], stop=parsed[2], size=size, mtime=mtime or 0.0, etag=etag))
     return shards
 
 
@@ -158,6 +160,35 @@ def kept_tokens(table: pa.Table, keep_flagged: bool = True, max_length: int | No
     return int(keep.sum()), int(tokens[keep].sum())
 
 
+def shard_counts(table: pa.Table) -> dict:
+    """A completion shard's counts, as its writer stamps them in its footer (schema.META_COUNTS) and the trust cache
+    keeps them: what `status` sums (rows, error rows, prompt and output tokens, each quality flag) and what stage 2's
+    estimate needs (`kept`, `kept_unflagged`: `kept_tokens` with keep_flagged true / false and no clipping, and the
+    longest kept row, so a `max_length` at or above it clips nothing and the sums are exact)."""
+    tokens = ints(table, schema.NUM_PROMPT_TOKENS) + ints(table, schema.NUM_OUTPUT_TOKENS)
+
+    def kept(keep_flagged: bool) -> list[int]:
+        keep = kept_rows(table, keep_flagged)
+        return [int(keep.sum()), int(tokens[keep].sum()), int(tokens[keep].max()) if keep.any() else 0]
+
+    return {"rows": table.num_rows, "errors": int((~ok_rows(table)).sum()),
+            "prompt_tokens": int(ints(table, schema.NUM_PROMPT_TOKENS).sum()),
+            "output_tokens": int(ints(table, schema.NUM_OUTPUT_TOKENS).sum()),
+            "flags": {f: int(bools(table, f).sum()) for f in schema.QUALITY_FLAGS if f in table.column_names},
+            "kept": kept(True), "kept_unflagged": kept(False)}
+
+
+def counted_kept_tokens(counts: dict | None, keep_flagged: bool, max_length: int | None) -> tuple[int, int] | None:
+    """`kept_tokens` of a whole shard from its counts (`shard_counts`), or None when they cannot say (no counts, or
+    a kept row longer than `max_length`: the clipped sum needs the rows' lengths)."""
+    if not counts:
+        return None
+    rows, tokens, longest = counts["kept" if keep_flagged else "kept_unflagged"]
+    if max_length is not None and longest > max_length:
+        return None
+    return rows, tokens
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Trusting a completion shard, and the one rule of when stage 2 is done with it
 # ---------------------------------------------------------------------------------------------------------------
@@ -171,6 +202,10 @@ class ShardCheck:
     before ids were recorded), or why it cannot be trusted (`problem`: truncated, zero bytes, wrong schema)."""
     shard_id: str | None = None
     problem: str | None = None
+    counts: dict | None = None
+    """What its writer stamped in its footer (`shard_counts`); None for a shard written before that."""
+    read: bool = True
+    """False when the file was gone by the time its footer was read (nothing to remember of it)."""
 
 
 def check_completion_shard(shard: CompletionShard, storage_config: StorageConfig | None = None) -> ShardCheck:
@@ -180,24 +215,46 @@ def check_completion_shard(shard: CompletionShard, storage_config: StorageConfig
         s = storage.read_shard_schema(shard.uri, storage_config)
     except (pa.ArrowInvalid, OSError) as e:  # no footer: cut short by a copy, a full disk, a tool
         if isinstance(e, FileNotFoundError):  # moved aside or regenerated since the listing: not ours to judge
-            return ShardCheck()
+            return ShardCheck(read=False)
         first = (str(e).strip().splitlines() or [""])[0]
         return ShardCheck(problem=f"not a whole Arrow file ({first}; {shard.size:,} bytes: truncated?)")
     missing = [c for c in REQUIRED_COMPLETION_COLUMNS if c not in s.names]
     if missing:
         return ShardCheck(problem=f"not a completion shard (no column {', '.join(missing)})")
     meta = s.metadata or {}
-    return ShardCheck(shard_id=meta[schema.META_SHARD_ID].decode() if schema.META_SHARD_ID in meta else None)
+    counts = None
+    if schema.META_COUNTS in meta:
+        try:
+            counts = json.loads(meta[schema.META_COUNTS])
+        except ValueError:  # unreadable counts are no counts: `status` reads the columns
+            pass
+    return ShardCheck(shard_id=meta[schema.META_SHARD_ID].decode() if schema.META_SHARD_ID in meta else None,
+                      counts=counts)
 
 
 def check_completion_shards(shards: list[CompletionShard], storage_config: StorageConfig | None = None,
-                            num_threads: int = storage.PARALLEL_READS) -> dict[str, ShardCheck]:
-    """`check_completion_shard` of every shard (footers only: one read each, in a thread pool), by shard name."""
-    if not shards:
-        return {}
-    with ThreadPoolExecutor(min(num_threads, len(shards))) as pool:
-        return dict(zip((s.name for s in shards), pool.map(lambda s: check_completion_shard(s, storage_config),
-                                                            shards)))
+                            num_threads: int = storage.PARALLEL_READS,
+                            cache: trust_cache.Entries | None = None) -> dict[str, ShardCheck]:
+    """`check_completion_shard` of every shard, by shard name: from `cache` where it holds the shard's listed size
+    and ETag (`trust_cache.Entries.get`), else its footer read (one read each, in a thread pool) and, when trusted,
+    put in `cache`. Entries of shards no longer listed are dropped."""
+    cache = cache if cache is not None else trust_cache.Entries()
+    checks: dict[str, ShardCheck] = {}
+    to_read = []
+    for s in shards:
+        hit = cache.get(s.name, s.size, s.etag)
+        if hit is not None:
+            checks[s.name] = ShardCheck(shard_id=hit.get("shard_id"), counts=hit.get("counts"))
+        else:
+            to_read.append(s)
+    if to_read:
+        with ThreadPoolExecutor(min(num_threads, len(to_read))) as pool:
+            for s, check in zip(to_read, pool.map(lambda s: check_completion_shard(s, storage_config), to_read)):
+                checks[s.name] = check
+                if check.problem is None and check.read:  # only what was read and trusted is remembered
+                    cache.put(s.name, s.size, s.etag, {"shard_id": check.shard_id, "counts": check.counts})
+    cache.keep_only({s.name for s in shards if not checks[s.name].problem})
+    return {s.name: checks[s.name] for s in shards}
 
 
 def unreadable(checks: dict[str, ShardCheck]) -> dict[str, str]:
@@ -219,6 +276,8 @@ class CompletionShards:
     """Every shard of the listing, trusted or not (stage 2 judges its markers against all of them)."""
     checks: dict[str, ShardCheck]
     """Shard name → what its footer said."""
+    cache: trust_cache.Entries = field(default_factory=trust_cache.Entries)
+    """The trust cache as this answer left it: stage 1 saves it (`remember_completion_shards`)."""
 
     @property
     def problems(self) -> dict[str, str]:
@@ -243,7 +302,16 @@ def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None
     columns). What a reader does with the untrusted ones is its own: stage 1 moves them aside and generates their
     rows again, the others leave them out and name them (`CompletionShards.problem_line`)."""
     listed = list_completion_shards(run_uri, storage_config)
-    return CompletionShards(listed=listed, checks=check_completion_shards(listed, storage_config, num_threads))
+    cache = trust_cache.load(run_uri, trust_cache.COMPLETIONS, storage_config)  # footers already trusted
+    return CompletionShards(listed=listed, checks=check_completion_shards(listed, storage_config, num_threads, cache),
+                            cache=cache)
+
+
+def remember_completion_shards(run_uri: str, found: CompletionShards, storage_config: StorageConfig | None,
+                               fence) -> bool:
+    """Save what `found` trusted as the run's completion trust cache: stage 1 only, under its writer lock's fence
+    (job/trust_cache.py). Returns whether it wrote (nothing new: nothing written)."""
+    return trust_cache.save(run_uri, trust_cache.COMPLETIONS, found.cache, storage_config, fence)
 
 
 def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:
@@ -269,6 +337,8 @@ class Stage2Markers:
     orphans: list[str]
     """Markers and parts of completion shards that no longer exist (moved aside, or re-cut into other units by a
     rerun): nothing counts them; stage 2 deletes them."""
+    cache: trust_cache.Entries = field(default_factory=trust_cache.Entries)
+    """The markers' trust cache as this answer left it: stage 2 saves it (`remember_markers`)."""
 
     def covered(self, shard_name: str, num_rows: int) -> tuple[int, int | None, dict | None]:
         """THE answer to "how much of this completion shard has its hidden states", for every reader (stage 2's
@@ -283,11 +353,14 @@ class Stage2Markers:
 
 def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str, ShardCheck],
                    storage_config: StorageConfig | None = None, num_threads: int = 32) -> Stage2Markers:
-    """One listing of hidden_states/, every marker of a listed shard read (one small GET each) and judged by
-    `marker_matches`."""
+    """One listing of hidden_states/, every marker of a listed shard read (one small GET each, none for a marker
+    the trust cache holds with its listed size and ETag) and judged by `marker_matches`."""
     hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
     completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    files = storage.list_file_infos(hidden_dir, "", storage_config)
+    entries = storage.list_file_entries(hidden_dir, "", storage_config)
+    files = [(name, size, mtime) for name, size, mtime, _ in entries]
+    etags = {name: (size, etag) for name, size, _, etag in entries}
+    cache = trust_cache.load(run_uri, trust_cache.MARKERS, storage_config)
     by_stem: dict[str, list[tuple[str, int | None]]] = {}
     for name, _, _ in files:
         parsed = layout.parse_marker_name(name)
@@ -300,14 +373,22 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
                if (stem := layout.hidden_state_file_stem(name)) is not None and stem not in stems]
 
     def read(name: str) -> dict:
+        size, etag = etags[name]
+        hit = cache.get(name, size, etag)
+        if hit is not None:
+            return hit
         try:
-            return storage.read_json(storage.join(hidden_dir, name), storage_config)
+            marker = storage.read_json(storage.join(hidden_dir, name), storage_config)
         except (FileNotFoundError, ValueError):  # deleted since the listing, or not JSON: covers nothing
             return {"source": {"size": -1}}
+        if isinstance(marker, dict):
+            cache.put(name, size, etag, marker)
+        return marker
 
     with ThreadPoolExecutor(max(1, min(num_threads, len(wanted)))) as pool:
         markers = list(pool.map(read, [name for _, name, _ in wanted]))
-    out = Stage2Markers(matching={}, stale={}, files=files, orphans=orphans)
+    cache.keep_only({name for _, name, _ in wanted})
+    out = Stage2Markers(matching={}, stale={}, files=files, orphans=orphans, cache=cache)
     for (shard, name, limit), marker in zip(wanted, markers):
         check = checks.get(shard.name, ShardCheck())
         if check.problem is None and marker_matches(marker, shard, check.shard_id):
@@ -315,6 +396,12 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
         else:
             out.stale.setdefault(shard.name, []).append(name)
     return out
+
+
+def remember_markers(run_uri: str, markers: Stage2Markers, storage_config: StorageConfig | None, fence) -> bool:
+    """Save the markers `markers` read as the run's marker trust cache: stage 2 only, under its writer lock's fence.
+    Returns whether it wrote."""
+    return trust_cache.save(run_uri, trust_cache.MARKERS, markers.cache, storage_config, fence)
 
 
 def done_parts(markers: Stage2Markers, shards: list[CompletionShard], run_uri: str) -> list[tuple[str, int]]:

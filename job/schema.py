@@ -134,6 +134,7 @@ def hidden_state_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) 
 # Schema metadata key of a completion shard: a fresh id per commit. A shard regenerated under the same name has
 # another one, so whatever was made from the old content (stage 2's parts and marker) is known to be stale.
 META_SHARD_ID = b"shard_id"
+META_COUNTS = b"counts"  # a completion shard's row counts and sums (scan.shard_counts), so a footer answers `status`
 
 # Schema metadata keys of hidden-state shards.
 META_SOURCE_SHARD_ID = b"source_shard_id"  # the completion shard's META_SHARD_ID this part was made from

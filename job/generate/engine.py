@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import layout, schema, stage, storage
+from job import layout, scan, schema, stage, storage
 from job.cluster import model_missing_here
 from job.config import RunConfig, from_dict
 from job.generate import engine_sizing, inputs, prompts, quality
@@ -470,7 +471,10 @@ class CompletionGenerator:
         arrays += [inp.column(name) for name, _ in schema.carried_columns(self.carried_schema)]
         table = pa.Table.from_arrays(arrays, schema=self.out_schema)
         # A fresh content id per commit: stage 2 knows its hidden states of a regenerated shard are stale.
-        return table.replace_schema_metadata({**(table.schema.metadata or {}), schema.META_SHARD_ID: uuid.uuid4().hex})
+        # Its counts in its footer (scan.shard_counts): `status` and stage 2's estimate read them with the footer (or
+        # from the trust cache) instead of the shard's columns.
+        return table.replace_schema_metadata({**(table.schema.metadata or {}), schema.META_SHARD_ID: uuid.uuid4().hex,
+                                              schema.META_COUNTS: json.dumps(scan.shard_counts(table))})
 
     async def _watch(self):
         timeout = self.config.generate.hang_timeout_s

@@ -244,6 +244,7 @@ def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySes
                                              "max_num_seqs": summary.max_num_seqs,
                                              "max_num_seqs_auto": summary.sizing,
                                              "output_tokens_per_s": summary.output_tokens_per_s}, fence)
+    _remember_shards(config, fence)  # the shards this job wrote: the next command (stage 2, `status`) reads no footer
     try:
         write_report(config.output, config.storage, guard=fence.guard)
         summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
@@ -283,6 +284,11 @@ def _trusted_shards(config: RunConfig, fence) -> list[str]:
         for name in found.problems:
             with fence.guard():
                 storage.move(storage.join(completions, name), storage.join(aside, f"{name}.{stamp}"), config.storage)
+    # The footers read now are not read again by the next command (job/trust_cache.py): the trusted ones only.
+    try:
+        scan.remember_completion_shards(config.output, found, config.storage, fence)
+    except storage.StorageError as e:  # an optimization: the job goes on without it
+        log.warning("the completion shards' trust cache could not be written (%s)", e)
     return [s.name for s in found.trusted]
 
 
@@ -303,6 +309,25 @@ def _engines(config: RunConfig, carried: pa.Schema, chat_template: str | None,
         runtime_env=stage.runtime_env(config))  # secrets: at construction (engine.py)
 
 
+CACHE_REFRESH_S = 600.0
+"""How often a running stage 1 adds the shards it wrote to the trust cache (S3): `status` during a run then reads
+only the footers of the last ~10 minutes' shards, not of every shard this job wrote."""
+
+
+def _remember_shards(config: RunConfig, fence) -> None:
+    """The run's completion shards trusted now (a footer read for each shard the trust cache does not hold) and
+    saved as its cache (job/trust_cache.py). A cache that cannot be written now is no failure: it is an optimization,
+    and the next resume writes it."""
+    if not storage.is_s3(config.output):
+        return
+    try:
+        scan.remember_completion_shards(config.output, scan.trusted_completion_shards(config.output, config.storage),
+                                        config.storage, fence)
+    except storage.StorageError as e:
+        log.warning("the completion shards' trust cache could not be written (%s); the next command reads their "
+                    "footers", e)
+
+
 class _Consumer:
     """What stage 1 does with each unit's summary as it arrives: totals, progress, the canary decision."""
 
@@ -311,6 +336,7 @@ class _Consumer:
         self.config, self.summary, self.tracker, self.run_canary = config, summary, tracker, run_canary
         self.fence = fence
         self.canary_rows, self.window_start = 0, None
+        self.cache_saved = time.monotonic()
 
     def __call__(self, s: dict) -> None:
         config, summary = self.config, self.summary
@@ -339,6 +365,9 @@ class _Consumer:
                                        f"{config.output} for inspection; after fixing, run into a new --output.")
                 print(f"canary passed on the first {self.canary_rows} rows", flush=True)
                 runs.write_run_json(config, "generate", {"canary_passed": True}, self.fence)
+        if time.monotonic() - self.cache_saved > CACHE_REFRESH_S:
+            _remember_shards(config, self.fence)
+            self.cache_saved = time.monotonic()
 
     def window(self) -> float:
         return time.monotonic() - self.window_start if self.window_start else 0.0

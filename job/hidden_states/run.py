@@ -45,12 +45,14 @@ def _out_dir(config: RunConfig) -> str:
     return storage.join(config.output, layout.HIDDEN_STATES_DIR)
 
 
-def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[HiddenStateUnit]:
+def plan_units(config: RunConfig, orphans: list[str] | None = None,
+               seen: list | None = None) -> list[HiddenStateUnit]:
     """One unit per completion shard that can be read whole (name order = input order); `config.limit` keeps the
     first N rows. The shards and their rows come from scan's one listing; a unit is done when a marker made from
     the shard's current content covers it (scan.marker_matches, the one rule). Markers made from other content
     (the shard was regenerated since) are the unit's `stale` ones; shards that cannot be read whole are named in one
-    line and left out. `orphans` receives the names of parts and markers whose completion shard no longer exists."""
+    line and left out. `orphans` receives the names of parts and markers whose completion shard no longer exists;
+    `seen` the Stage2Markers read (its trust cache: stage 2 saves it under its lock)."""
     found = scan.trusted_completion_shards(config.output, config.storage)
     completions = storage.join(config.output, layout.COMPLETIONS_DIR)
     if not found.listed:
@@ -76,6 +78,8 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
             left -= n
     if orphans is not None:
         orphans.extend(markers.orphans)
+    if seen is not None:
+        seen.append(markers)
     # hidden_states/'s files by the completion shard they belong to: each unit looks at its own only (matching every
     # unit against every file was O(shards²): 20,000 shards × 40,000 files, tens of minutes; issue 48).
     files_of: dict[str, list[str]] = {}
@@ -83,6 +87,7 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
         if (stem := layout.hidden_state_file_stem(name)) is not None:
             files_of.setdefault(stem, []).append(name)
     for unit, shard in zip(units, shards):  # units are the first shards, in order
+        unit.counts = found.checks[shard.name].counts  # its footer's counts: stage 2's estimate reads no column
         unit.stale = markers.stale.get(shard.name, [])
         unit.existing = [name for name in files_of.get(unit.stem, []) if unit.owns(name) and name not in unit.stale]
         if unit.row_limit is not None:
@@ -93,6 +98,9 @@ def plan_units(config: RunConfig, orphans: list[str] | None = None) -> list[Hidd
             if marker is not None and rows >= unit.row_limit:
                 unit.row_limit = None if limit is None or limit >= full else limit
                 unit.num_rows = full if unit.row_limit is None else limit
+        covering = markers.matching.get(shard.name, {}).get(unit.row_limit)
+        if unit.done and covering is not None and covering[0] == unit.marker_name:
+            unit.marker = covering[1]
     return units
 
 
@@ -145,6 +153,11 @@ def _identity(config: RunConfig, layer_ids: list[int], num_layers: int) -> dict:
 
 def _kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
     hs = config.hidden_states
+    if unit.row_limit is None and unit.counts and unit.counts.get("rows", 0) <= unit.num_rows:
+        # The whole shard, counted by its writer (scan.shard_counts, from its footer or the trust cache).
+        counted = scan.counted_kept_tokens(unit.counts, hs.keep_flagged, hs.max_length)
+        if counted is not None:
+            return counted
     cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
     t = storage.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
     return scan.kept_tokens(t, hs.keep_flagged, hs.max_length)  # the one rule of which rows are kept
@@ -256,7 +269,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         # run.json before the listing: stage 1's status as it was when the completion shards were listed.
         previous = runs.read_run_json(config.output, config.storage) or {}
         orphans: list[str] = []
-        units = plan_units(config, orphans=orphans)
+        seen: list[scan.Stage2Markers] = []
+        units = plan_units(config, orphans=orphans, seen=seen)
         if previous.get("config", {}).get("model") not in (None, config.model):
             print(f"note: stage 1 ran with model {previous['config']['model']!r}; extracting with {config.model!r}",
                   flush=True)
@@ -264,6 +278,8 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
         changed = stage.check_identity(previous, STAGE, ident, allow_drift,
                                        consequence="mix features made two ways in one output")
         with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=take_lock) as held:
+            # The markers read now are not read again by the next command (job/trust_cache.py).
+            scan.remember_markers(config.output, seen[0], config.storage, held.fence)
             _forget_stale(config, units, orphans, held.fence)
             if changed:  # allowed drift: every setting in the identity shapes the parts, so all of them are redone
                 print(f"hidden states: settings changed ({', '.join(changed)}): --allow-drift redoes every "
@@ -274,6 +290,10 @@ def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock
             this_run, seconds = _extract(config, units, layer_ids, ident, estimate, ray_session, held.fence)
             summary = _report(config, units, layer_ids, hidden, estimate, this_run, seconds,
                               time.monotonic() - started, held.fence)
+            if any(not u.done for u in units):  # the markers this job wrote, read once now: the next command reads none
+                found = scan.trusted_completion_shards(config.output, config.storage)
+                scan.remember_markers(config.output, scan.stage2_markers(config.output, found.listed, found.checks,
+                                                                         config.storage), config.storage, held.fence)
             # Stage 2 follows the completion shards that exist. While stage 1 is unfinished, that is not the run.
             stage1 = previous.get("generate", {})
             partial = "status" in stage1 and stage1["status"] != "complete"
@@ -357,9 +377,14 @@ def _report(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[int
             this_run: dict, seconds: float, total_seconds: float, fence=None) -> HiddenStatesSummary:
     """Totals over every unit's marker (this invocation's and earlier ones') plus this invocation's speed."""
     out = _out_dir(config)
-    with ThreadPoolExecutor(16) as pool:
-        markers = list(pool.map(lambda u: storage.read_json(storage.join(out, u.marker_name), config.storage),
-                                units))
+
+    def marker(u: HiddenStateUnit) -> dict:  # read by the plan (or its trust cache) when done then; else read now
+        if u.marker is not None and u.done:
+            return u.marker
+        return storage.read_json(storage.join(out, u.marker_name), config.storage)
+
+    with ThreadPoolExecutor(storage.PARALLEL_READS) as pool:
+        markers = list(pool.map(marker, units))
     keys = ["num_rows", "num_samples", "num_errors", "num_skipped_flagged", "num_skipped_empty", "num_clipped",
             "num_tokens", "num_padded_tokens", "num_parts"]
     totals = {k: sum(int(m.get(k, 0)) for m in markers) for k in keys}

@@ -65,9 +65,21 @@ def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, 
     storage_config = storage_config or StorageConfig()
     found = found or scan.trusted_completion_shards(run_uri, storage_config)
     stats = [ShardStat(shard=s, num_rows=s.stop - s.start) for s in found.trusted]
-    if read_columns and stats:
-        tables = scan.read_shard_tables([s.shard.uri for s in stats], list(_SCAN_COLUMNS), storage_config, num_threads)
-        for stat, t in zip(stats, tables):
+    if not read_columns:
+        return sorted(stats, key=lambda s: (s.mtime, s.name))
+    unread = []
+    for stat in stats:  # the counts its writer stamped in its footer (scan.shard_counts), else its columns read
+        counts = found.checks[stat.name].counts
+        if counts is None:
+            unread.append(stat)
+            continue
+        stat.num_rows, stat.num_errors = counts["rows"], counts["errors"]
+        stat.num_output_tokens, stat.num_prompt_tokens = counts["output_tokens"], counts["prompt_tokens"]
+        stat.flags = dict(counts["flags"])
+    if unread:
+        tables = scan.read_shard_tables([s.shard.uri for s in unread], list(_SCAN_COLUMNS), storage_config,
+                                        num_threads)
+        for stat, t in zip(unread, tables):
             stat.num_rows = t.num_rows
             if schema.ERROR in t.column_names:
                 stat.num_errors = t.num_rows - int(scan.ok_rows(t).sum())
