@@ -55,13 +55,15 @@ def pytest_configure(config):
                                        "(it shuts the worker's session Ray down)")
 
 
-# Seconds each file's tests took in one `make test-all` with two workers on 2 cores (test-results/junit.xml,
-# 2026-12-04), rounded. With `--dist loadfile` a file is one unit of work on one worker: the longest go first, so that
-# no worker is left with a long file at the end while the other idles. A new file without an entry goes last.
-FILE_SECONDS = {"test_resume.py": 650, "test_cluster.py": 510, "test_hidden_states.py": 370, "test_inspect.py": 360,
-                "test_job_submit.py": 240, "test_export.py": 190, "test_generate.py": 150, "test_refusals.py": 130,
-                "test_inputs_formats.py": 160, "test_quality.py": 70, "test_exactly_once.py": 330,
-                "test_train_online.py": 165}  # measured alone, 2026-12-05: 150 s + 13 s (its shared run not counted)
+# Seconds each file's tests took in one `make test-all` with two workers on 2 cores (test-results/junit.xml of a
+# fresh-clone .ci/run, 2026-12-06), rounded. With `--dist loadfile` a file is one unit of work on one worker: the
+# longest go first, so that no worker is left with a long file at the end while the other idles. A new file without an
+# entry goes last: test_served.py (a draft trained and served, ~6 min) had none and was the run's tail.
+FILE_SECONDS = {"test_resume.py": 600, "test_hidden_states.py": 375, "test_cluster.py": 350, "test_served.py": 360,
+                "test_exactly_once.py": 255, "test_train_online.py": 235, "test_job_submit.py": 240,
+                "test_generate.py": 175, "test_export.py": 175, "test_trainers.py": 150, "test_inspect.py": 125,
+                "test_inputs_formats.py": 125, "test_quality.py": 120, "test_refusals.py": 100, "test_secrets.py": 60,
+                "test_tiny_model.py": 60, "test_fp8.py": 30, "test_lock.py": 20, "test_config.py": 15}
 
 
 # Files that go last, after every other: test_job_submit.py's own Ray head failed to come up (exited in `ray start`;

@@ -40,6 +40,7 @@ MIRROR_EVERY_S = 1.0
 _SESSION_STARTED = time.monotonic()
 _IN_FLIGHT: dict[str, float] = {}
 _FINISHED: list[tuple[float, str]] = []
+_THIS_WORKER: list[str] = []  # this process's xdist worker id (gw0, ...), or empty in the controller
 _STOPPING: list[str] = []  # why the controller is ending the session early (once set, later node downs are its own)
 
 
@@ -61,6 +62,7 @@ def pytest_configure(config):
                                        "`alone` test (a lock held for the test's duration)")
     _state_dir()  # the controller names the folder before xdist starts its workers, which inherit the variable
     worker = _worker_id(config)
+    _THIS_WORKER[:] = [worker] if worker is not None else []
     if worker is not None:
         (_state_dir() / f"{worker}.pid").write_text(str(os.getpid()))
         threading.Thread(target=_mirror_capture, args=(config, worker), daemon=True).start()
@@ -133,7 +135,11 @@ def _alone_among_heavy_tests(request):
 
 def pytest_runtest_logstart(nodeid, location):
     _IN_FLIGHT[nodeid] = time.monotonic()
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # Whether this process is a worker comes from its config, not from PYTEST_XDIST_WORKER: a session started from
+    # inside a worker (tests/test_suite_guard.py) inherits that variable in its controller, which then wrote its
+    # workers' tests under the outer worker's name, and a dead worker was named with the other one's test (fresh-clone
+    # run, 2026-12-06).
+    worker = _THIS_WORKER[0] if _THIS_WORKER else None
     if worker:  # a worker: the controller reads this when the worker dies (xdist names it only after the hook below)
         (_state_dir() / f"{worker}.current").write_text(nodeid)
 

@@ -21,7 +21,8 @@ def run_session(tmp_path: Path, files: dict[str, str], *args: str, env: dict | N
         (tmp_path / name).write_text(textwrap.dedent(body))
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["suite_guard"]\n')
     full_env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
-    full_env.pop("DATAGEN_SUITE_STATE", None)  # the throwaway session makes its own
+    for name in ("DATAGEN_SUITE_STATE", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        full_env.pop(name, None)  # the throwaway session is a session of its own, not part of this worker's
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                            "--dist", "loadfile", "--max-worker-restart=0", *args, str(tmp_path)],
