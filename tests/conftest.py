@@ -61,7 +61,7 @@ def pytest_configure(config):
 # entry goes last: test_served.py (a draft trained and served, ~6 min) had none and was the run's tail.
 FILE_SECONDS = {"test_resume.py": 600, "test_hidden_states.py": 375, "test_cluster.py": 350, "test_served.py": 360,
                 "test_exactly_once.py": 255, "test_train_online.py": 235, "test_job_submit.py": 240,
-                "test_generate.py": 175, "test_export.py": 175, "test_trainers.py": 150, "test_inspect.py": 125,
+                "test_generate.py": 175, "test_export.py": 175, "test_trainers.py": 380, "test_inspect.py": 125,
                 "test_inputs_formats.py": 125, "test_quality.py": 120, "test_refusals.py": 100, "test_secrets.py": 60,
                 "test_tiny_model.py": 60, "test_fp8.py": 30, "test_lock.py": 20, "test_config.py": 15}
 
