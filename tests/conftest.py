@@ -106,16 +106,29 @@ def pytest_collection_modifyitems(config, items):
 
 _SESSION_STARTED = time.monotonic()
 _TIER_SECONDS = {"default": 0.0, "slow": 0.0}
+_FILE_TIMES: dict[str, tuple[float, float, str]] = {}  # file: (first report's start, last report, worker)
 
 
 def pytest_runtest_logreport(report):
     """Sum each tier's test time (setup, call and teardown). Runs where the reports arrive: in the main process,
     also with workers (pytest-xdist), where the two workers' times add up to more than the wall time."""
     _TIER_SECONDS["slow" if "slow" in report.keywords else "default"] += report.duration
+    # The timeline: when each file's first and last report arrived, and on which worker (issue 47: which files ran
+    # beside which, and where a worker idled at the end).
+    now = time.monotonic() - _SESSION_STARTED
+    name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    worker = getattr(report, "node", None)
+    worker = getattr(worker, "gateway", None) and worker.gateway.id
+    first, _, _ = _FILE_TIMES.get(name, (now - report.duration, now, worker))
+    _FILE_TIMES[name] = (min(first, now - report.duration), now, worker or "")
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Each tier's test time and the session's wall time, so every CI log shows them."""
+    """Each tier's test time and the session's wall time, so every CI log shows them; and each file's minutes from
+    the session's start (files with under 10 s of tests left out)."""
+    for name, (first, last, worker) in sorted(_FILE_TIMES.items(), key=lambda kv: kv[1][0]):
+        if last - first >= 10:
+            terminalreporter.write_line(f"timeline: {first / 60:5.1f} - {last / 60:5.1f} min  {worker:4} {name}")
     if any(_TIER_SECONDS.values()):
         terminalreporter.write_line(
             "time in tests: " + ", ".join(f"{tier} tier {s / 60:.1f} min" for tier, s in _TIER_SECONDS.items() if s)
