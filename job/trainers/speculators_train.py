@@ -332,10 +332,13 @@ def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, ste
     args.max_steps = steps
     with cpu_trainer(model, seed=None) as (logged, norms):
         trainer = sp_trainer.Trainer(model, trainer_config(args, model_class, steps), loader, None)
-        for epoch in range(args.epochs):
-            if trainer.global_step >= steps:  # train_epoch would take one more step before it looks
-                break
+        # Passes until `steps` steps are taken: the multipack loader's len() is its estimate, and a pass can give a
+        # batch fewer (29 of 30 steps in a fresh-clone run, 2026-12-06), so ceil(steps / len) passes can fall short.
+        # Bounded: a loader that gives no batch at all ends the loop and the check below names it.
+        epoch = 0
+        while trainer.global_step < steps and epoch < 2 * args.epochs + 2:  # train_epoch looks only after a step
             trainer.train_epoch(epoch)
+            epoch += 1
     if len(logged) != steps:
         raise RuntimeError(f"expected {steps} steps, the trainer logged {len(logged)}")
     return args, model, [dict(m, grad_norm=n) for m, n in zip(logged, norms)], round(steps / len(loader), 2)
