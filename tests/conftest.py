@@ -117,10 +117,10 @@ def pytest_runtest_logreport(report):
     # beside which, and where a worker idled at the end).
     now = time.monotonic() - _SESSION_STARTED
     name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
-    worker = getattr(report, "node", None)
-    worker = getattr(worker, "gateway", None) and worker.gateway.id
-    first, _, _ = _FILE_TIMES.get(name, (now - report.duration, now, worker))
-    _FILE_TIMES[name] = (min(first, now - report.duration), now, worker or "")
+    gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's worker; none without workers
+    started = now - report.duration
+    first = _FILE_TIMES.get(name, (started,))[0]
+    _FILE_TIMES[name] = (min(first, started), now, gateway.id if gateway else "")
 
 
 def pytest_terminal_summary(terminalreporter):
