@@ -199,12 +199,15 @@ def markdown(summary: dict, k: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3", reuse: bool = False) -> dict:
+def serve(out: str, model: str, seed: int, k: int, fmt: str = "eagle3", reuse: bool = False,
+          max_tokens: int = 512) -> dict:
     """The drafts of `seed` served by vLLM (bench/served_acceptance.py, its own processes): τ from the engine's
-    counters. `reuse` (with --reuse-drafts): a draft an earlier run served at the same k is not served again."""
+    counters. `reuse` (with --reuse-drafts): a draft an earlier run served at the same k is not served again.
+    The drafts served are SETS' (bench_acceptance_multiturn.py replaces them); `max_tokens` as the greedy held-out
+    run generated."""
     subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "served_acceptance.py"),
                     "--out", out, "--model", model, "--seed", str(seed), "--k", str(k), "--format", fmt,
-                    *(["--reuse"] if reuse else [])], check=True)
+                    "--max-tokens", str(max_tokens), "--sets", *SETS, *(["--reuse"] if reuse else [])], check=True)
     served = json.load(open(os.path.join(out, f"served-seed{seed}" + ("" if fmt == "eagle3" else "-dflash") + ".json")))
     for entry in [*served["sets"].values(), served.get("no_draft") or {"greedy": {}}]:
         entry["greedy"].pop("greedy_outputs", None)  # kept in its own files (served-seed<N>-<set>.json)

@@ -2,7 +2,7 @@
 chats served as the target serves them (every earlier answer its own).
 
     make install trainers
-    flock /tmp/heavy.lock nice -n 5 .venv/bin/python bench/bench_acceptance_multiturn.py [--seeds 0 1 2]
+    flock /tmp/heavy.lock nice -n 5 .venv/bin/python bench/bench_acceptance_multiturn.py [--seeds 0 1 2] [--served]
 
 bench/bench_acceptance.py's machinery (its runs, exports, speculators EAGLE-3 training and τ counting, table and
 plot), on multi-turn chats composed from the tiny corpus (2-4 question/answer turns; a fifth of the questions held
@@ -83,6 +83,11 @@ def main() -> int:
                         "earlier answers, within the demo config's max_model_len 1024")
     parser.add_argument("--model", choices=sorted(ba.MODELS), default="dense")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--reuse-drafts", action="store_true", help="reuse OUT/scores-seed<N>.json and its drafts "
+                        "where an earlier run of the same steps, lr and k left them (no retraining)")
+    parser.add_argument("--served", action="store_true", help="also serve the first seed's drafts in vLLM "
+                        "(bench/served_acceptance.py: τ from the engine's own counters; 6 engines) on the greedy "
+                        "held-out turns, each prompt holding the target's own earlier answers")
     args = parser.parse_args()
     if not os.path.exists(ba.TRAINERS_PY):
         parser.error("the trainers' environment is missing: run `make trainers` first")
@@ -115,21 +120,27 @@ def main() -> int:
     eval_sampled = ba.export(runs["eval_sampled"]["run"], os.path.join(args.out, "exports", "eval_sampled"))
     all_scores = []
     for seed in args.seeds:
-        scores = ba.train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k)
+        scores = ba.train_and_score(exports, eval_greedy, eval_sampled, args.out, seed, args.steps, args.lr, args.k,
+                                    args.reuse_drafts)
         ba.check_known_answer(scores)
         all_scores.append(scores)
     summary = ba.summarize(all_scores)
     table = ba.markdown(summary, args.k, args.seeds)
+    served = (ba.serve(args.out, model, args.seeds[0], args.k, reuse=args.reuse_drafts, max_tokens=args.max_tokens)
+              if args.served else None)
+    if served:
+        table += (f"\n\nServed ({served['engine']}; drafts of training seed {args.seeds[0]}):\n\n"
+                  + ba.served_markdown(served, all_scores[0]))
     seconds = round(time.monotonic() - started)
     results = {"command": "bench/bench_acceptance_multiturn.py " + " ".join(sys.argv[1:]), "model": args.model,
                "chats": chats, "runs": runs, "summary": summary, "seeds": args.seeds, "steps": args.steps,
                "lr": args.lr, "k": args.k, "data_seconds": round(data_seconds), "seconds": seconds,
-               "scores": all_scores}
+               "served": served, "scores": all_scores}
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
         f.write(table + "\n")
-    ba.plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds))
+    ba.plot(summary, args.k, os.path.join(args.out, "acceptance.png"), args.model, len(args.seeds), served)
     print(table)
     print(f"done in {seconds} s (data {data_seconds:.0f} s); {args.out}/acceptance.json, .md, .png")
     return 0

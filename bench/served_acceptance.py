@@ -199,15 +199,16 @@ def engine_failure(log_path: str, returncode: int) -> str:
 
 
 def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str = "eagle3",
-              reuse: bool = False) -> dict:
+              reuse: bool = False, sets: tuple[str, ...] = SETS) -> dict:
     """Every draft bench/bench_acceptance.py saved for `seed` (EAGLE-3, or DFlash: `fmt`), and the target alone,
     each in its own process (its log in OUT/served-<tag>-<set>.log). An engine that fails is recorded with why
     (the error of its log), not raised: the other drafts are still served. `reuse`: a draft's result an earlier
-    pass of the same k and max_tokens left is read, not served again (the drafts are the reused ones too)."""
+    pass of the same k and max_tokens left is read, not served again (the drafts are the reused ones too). `sets`:
+    the drafts' names under drafts/<tag>/ (bench/bench_acceptance_multiturn.py's differ)."""
     tag = f"seed{seed}" + ("" if fmt == "eagle3" else f"-{fmt}")
     drafts_dir = os.path.join(out, "drafts", tag)
     eval_run = os.path.join(out, "runs", "eval_greedy")
-    missing = [name for name in SETS if not os.path.exists(os.path.join(drafts_dir, name, "config.json"))]
+    missing = [name for name in sets if not os.path.exists(os.path.join(drafts_dir, name, "config.json"))]
     if missing:
         raise SystemExit(f"{drafts_dir}: no saved draft for {missing}: run bench/bench_acceptance.py first")
     sampling = target_sampling(model)
@@ -216,7 +217,7 @@ def serve_all(out: str, model: str, seed: int, k: int, max_tokens: int, fmt: str
     import vllm  # the version only; the engines run in their own processes
 
     results["engine"] = f"vllm {vllm.__version__} (CPU build), {os.cpu_count()} cores"
-    for name in (*SETS, None) if fmt == "eagle3" else SETS:  # the target alone once, beside the EAGLE-3 drafts
+    for name in (*sets, None) if fmt == "eagle3" else sets:  # the target alone once, beside the EAGLE-3 drafts
         path = os.path.join(out, f"served-{tag}-{name or 'no_draft'}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", path, "--model", model, "--eval-run", eval_run,
                "--k", str(k), "--max-tokens", str(max_tokens), "--sampling", json.dumps(sampling)]
@@ -262,6 +263,7 @@ def main() -> int:
                         help="which drafts: EAGLE-3 (drafts/seed<N>/) or DFlash (drafts/seed<N>-dflash/)")
     parser.add_argument("--reuse", action="store_true", help="read a draft's result an earlier pass of the same k "
                         "and max tokens left (OUT/served-seed<N>[-dflash]-<set>.json) instead of serving it again")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), help="the drafts to serve (drafts/seed<N>/<set>/)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: serve one draft, write its JSON here
     parser.add_argument("--draft", help=argparse.SUPPRESS)
     parser.add_argument("--eval-run", help=argparse.SUPPRESS)
@@ -271,7 +273,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.one:
         return run_one_in_process(args)
-    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format, args.reuse)
+    results = serve_all(args.out, args.model, args.seed, args.k, args.max_tokens, args.format, args.reuse,
+                        tuple(args.sets))
     path = os.path.join(args.out, f"served-seed{args.seed}" + ("" if args.format == "eagle3" else "-dflash") + ".json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
