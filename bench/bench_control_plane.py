@@ -130,8 +130,9 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
         elif step == "e":
             notebook.run_overview(run, config.storage)
             status.build_status(run, config.storage)
-            report.build_report(run, config.storage)
-            notebook.read_rows(run, storage_config=config.storage)
+            unreadable: dict[str, str] = {}  # as the notebook's cells: the rows read once, the report built on them
+            rows = notebook.read_rows(run, storage_config=config.storage, unreadable=unreadable)
+            report.build_report(run, config.storage, rows=rows, unreadable=unreadable)
     seconds = time.perf_counter() - t0
     if profiler is not None:
         import pstats

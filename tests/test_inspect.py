@@ -243,6 +243,8 @@ def test_the_notebook_reader_names_a_truncated_shard_and_shows_the_rest(run_dir,
     rep = report.build_report(damaged)
     assert rep["unreadable_shards"] == problems and rep["rows_done"] == rows.num_rows
     assert names[1] in report.format_report(rep)
+    # The notebook's report: from the rows it read (every shard read once, not twice: issue 48), the same report.
+    assert report.build_report(damaged, rows=rows, unreadable=problems) == rep
     # Stage 2's views read the parts of the trusted shards only (the one done rule), and still agree with them.
     assert jh.check_token_alignment(damaged, rows) == []
     proj = jh.storage_projection(damaged, rows)

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 
 from job import layout, scan, schema, storage
 from job.storage import StorageConfig
@@ -32,11 +33,18 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(values.mean())}
 
 
-def build_report(run_uri: str, storage_config: StorageConfig | None = None) -> dict:
+def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows: pa.Table | None = None,
+                 unreadable: dict[str, str] | None = None) -> dict:
+    """The run's quality report from its trusted shards' small columns. `rows`: those columns already read (the
+    notebook's `read_rows`, with the shards it could not read in `unreadable`): every shard is read once, not twice
+    (at 20,000 shards on S3 each read is 20,000 GETs)."""
     storage_config = storage_config or StorageConfig()
     run = scan.require_run(run_uri, storage_config)
-    problems: dict[str, str] = {}
-    table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems)  # trusted shards only
+    if rows is None:
+        problems: dict[str, str] = {}
+        table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems)  # trusted only
+    else:
+        table, problems = rows.select(_REPORT_COLUMNS), dict(unreadable or {})
     errors = table.column(schema.ERROR).to_pylist()
     ok_mask = scan.ok_rows(table)
     num_ok = int(ok_mask.sum())
