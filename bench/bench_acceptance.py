@@ -235,12 +235,15 @@ def dflash_markdown(served: dict, scores: dict) -> str:
 
 def served_markdown(served: dict, scores: dict) -> str:
     """The served table: τ at k draft tokens from vLLM's counters, beside the emulated τ of the same draft on the
-    same prompts (all chain starts, and walked as an engine drafts), greedy and sampled; the served one's gap to
-    the walked one (sampled: to the emulated one; relative_gap: in τ, and in the draft's gain τ - 1)."""
+    same prompts, greedy and sampled. Greedy: all chain starts, and walked as an engine drafts; the gap is to the
+    walked one. Sampled: the emulated Σ min(p, q) (a draft sampled from its own distribution), and vLLM's own rule
+    (its default `draft_sample_method: greedy`: the draft's argmax proposed and accepted with the target's
+    probability of it; all chain starts, no walk); the gap is to the latter. relative_gap: in τ, and in the draft's
+    gain τ - 1."""
     k = served["k"]
     lines = [f"| training set | sampling | served τ (k={k}) | served acceptance at position 1..{k} | emulated τ | "
-             "emulated, walked as served | served vs walked (sampled: vs emulated): τ, gain | drafts | "
-             "greedy output = the target's alone |",
+             "emulated: greedy walked as served; sampled with vLLM's rule (argmax draft) | served vs that: τ, gain | "
+             "drafts | greedy output = the target's alone |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in served["sets"].items():
         emulated = scores["sets"][name]
@@ -251,15 +254,16 @@ def served_markdown(served: dict, scores: dict) -> str:
             if "error" in got:  # the engine failed this pass (served_acceptance.py records why)
                 lines.append(f"| {SETS[name]} | {kind} | not served: {got['error'][:90]} | | {tau:.2f} | | | | |")
                 continue
-            walked = draft["greedy_tau_served_walk"][k - 1] if kind == "greedy" else None
-            reference = walked if kind == "greedy" else tau  # no walk for the sampled estimate: its all-starts τ
+            rule = draft.get("greedy_tau_served_walk" if kind == "greedy" else "sampled_tau_greedy_draft")
+            reference = rule[k - 1] if rule else None
             gap = relative_gap(got["tau"], reference) if reference else None
             gap_cell = "—" if gap is None else f"{gap['tau']:+.1%}, " + (
                 "—" if gap["gain"] is None else f"{gap['gain']:+.0%}")
             same = f"{got['same_as_greedy_run']} / {served['prompts']}" if kind == "greedy" else "—"
             pos = " ".join(f"{a:.2f}" for a in got["accept_per_position"])
             lines.append(f"| {SETS[name]} | {kind} | **{got['tau']:.2f}** | {pos} | {tau:.2f} | "
-                         f"{'—' if walked is None else f'{walked:.2f}'} | {gap_cell} | {got['drafts']} | {same} |")
+                         f"{'—' if reference is None else f'{reference:.2f}'} | {gap_cell} | {got['drafts']} | "
+                         f"{same} |")
     return "\n".join(lines)
 
 

@@ -130,6 +130,12 @@ greedy_sampling = {"temperature": 1.0, "top_k": 1, "top_p": None}
 c = acc.Counts(K)
 c.add([target[j:] if j < 2 else wrong[j] for j in range(K)], target, valid, greedy_sampling)
 assert [round(t, 4) for t in c.result()["sampled_tau"]] == [round(t, 4) for t in two["greedy_tau"]]
+# vLLM's default rule (the draft's argmax proposed, accepted with the target's probability of it): at top_k 1 that
+# probability is 1 where the argmaxes agree, the greedy τ; at T 1, the target as its own drafter is accepted with
+# p(its argmax) at each slot, below the Σ min(p, q) = 1 of drafting from its own distribution.
+assert [round(t, 4) for t in c.result()["sampled_tau_greedy_draft"]] == [round(t, 4) for t in two["greedy_tau"]]
+p1 = torch.softmax(target, -1).max(-1).values[valid[:, 0]]
+assert abs(itself["sampled_tau_greedy_draft"][0] - (1 + float(p1.mean()))) < 1e-4, itself
 p = acc.sampling_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 1.0, None, 0.7)
 assert (p[0] > 0).tolist() == [True, True, False, False] and abs(float(p.sum()) - 1) < 1e-6
 print("known answers: ok")

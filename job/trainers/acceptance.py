@@ -70,6 +70,9 @@ class Counts:
         self.greedy_len = torch.zeros(k)  # Σ accepted-length (with the bonus token) for k = 1..K
         self.greedy_alive = torch.zeros(k + 1)  # Σ over blocks of [leading run ≥ m], m = 0..K
         self.sampled_alive = torch.zeros(k + 1)  # Σ over blocks of Π_{j<m} α_j, m = 0..K
+        # The same with the draft's argmax proposed (vLLM's default `draft_sample_method: greedy`): the rejection
+        # sampler then takes the draft's probability as 1, so slot j is accepted with p(argmax q_j), not Σ min(p, q).
+        self.sampled_alive_greedy_draft = torch.zeros(k + 1)
         self.walk_blocks = torch.zeros(k)  # the serving walk (`served_walk`), for k = 1..K: blocks drafted
         self.walk_accepted = torch.zeros(k)  # ... and draft tokens accepted
 
@@ -83,6 +86,7 @@ class Counts:
         target_ids = target_logits.argmax(-1)
         correct = torch.zeros(T, K, dtype=torch.bool)
         alpha = torch.zeros(T, K)
+        alpha_greedy_draft = torch.zeros(T, K)
         p = sampling_probs(target_logits, **sampling) if sampling else None
         for j in range(K):
             n = T - j
@@ -90,6 +94,7 @@ class Counts:
             if p is not None:
                 q = sampling_probs(step_logits[j][:n], **sampling)
                 alpha[:n, j] = torch.minimum(p[j:], q).sum(-1)
+                alpha_greedy_draft[:n, j] = p[j:].gather(-1, step_logits[j][:n].argmax(-1, keepdim=True))[:, 0]
         blocks = valid[:, 0]
         self.blocks += float(blocks.sum())
         for m in range(1, K + 1):
@@ -101,6 +106,8 @@ class Counts:
         alive = (alpha * valid).cumprod(-1)[blocks]
         self.sampled_alive[0] += float(blocks.sum())
         self.sampled_alive[1:] += alive.sum(0)
+        self.sampled_alive_greedy_draft[0] += float(blocks.sum())
+        self.sampled_alive_greedy_draft[1:] += (alpha_greedy_draft * valid).cumprod(-1)[blocks].sum(0)
         if document_ids is not None:
             lead = (correct & valid).to(torch.int64).cumprod(-1).sum(-1)
             for m in range(1, K + 1):
@@ -119,6 +126,8 @@ class Counts:
                 "sampled_tau": [round(1 + float(self.sampled_alive[1:m + 1].sum() / b), 4)
                                 for m in range(1, self.k + 1)],
                 "sampled_accept_per_position": per_pos(self.sampled_alive),
+                "sampled_tau_greedy_draft": [round(1 + float(self.sampled_alive_greedy_draft[1:m + 1].sum() / b), 4)
+                                             for m in range(1, self.k + 1)],
                 "greedy_tau_served_walk": [round(1 + float(a / b), 4) if b else None
                                            for a, b in zip(self.walk_accepted, self.walk_blocks)],
                 "served_walk_blocks": [int(b) for b in self.walk_blocks]}
