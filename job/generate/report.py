@@ -44,7 +44,9 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows
         problems: dict[str, str] = {}
         table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems)  # trusted only
     else:
-        table, problems = rows.select(_REPORT_COLUMNS), dict(unreadable or {})
+        # As read_columns gives them: a column an older shard lacks (`variant`) is absent, not an error.
+        table = rows.select([c for c in _REPORT_COLUMNS if c in rows.column_names])
+        problems = dict(unreadable or {})
     errors = table.column(schema.ERROR).to_pylist()
     ok_mask = scan.ok_rows(table)
     num_ok = int(ok_mask.sum())
