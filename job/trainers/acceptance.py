@@ -103,11 +103,9 @@ class Counts:
         run = (correct & valid).to(torch.float32).cumprod(-1)[blocks]
         self.greedy_alive[0] += float(blocks.sum())
         self.greedy_alive[1:] += run.sum(0)
-        alive = (alpha * valid).cumprod(-1)[blocks]
-        self.sampled_alive[0] += float(blocks.sum())
-        self.sampled_alive[1:] += alive.sum(0)
-        self.sampled_alive_greedy_draft[0] += float(blocks.sum())
-        self.sampled_alive_greedy_draft[1:] += (alpha_greedy_draft * valid).cumprod(-1)[blocks].sum(0)
+        for sums, rates in ((self.sampled_alive, alpha), (self.sampled_alive_greedy_draft, alpha_greedy_draft)):
+            sums[0] += float(blocks.sum())
+            sums[1:] += (rates * valid).cumprod(-1)[blocks].sum(0)
         if document_ids is not None:
             lead = (correct & valid).to(torch.int64).cumprod(-1).sum(-1)
             for m in range(1, K + 1):
@@ -120,14 +118,15 @@ class Counts:
         b = max(self.blocks, 1.0)
         per_pos = lambda alive: [round(float(alive[m] / alive[m - 1]), 4) if alive[m - 1] else 0.0  # noqa: E731
                                  for m in range(1, self.k + 1)]
+        # τ_k = 1 + Σ_{m ≤ k} E[Π_{j<m} α_j] over the blocks
+        expected_tau = lambda alive: [round(1 + float(alive[1:m + 1].sum() / b), 4)  # noqa: E731
+                                      for m in range(1, self.k + 1)]
         return {"blocks": int(self.blocks),
                 "greedy_tau": [round(float(x / b), 4) for x in self.greedy_len],
                 "greedy_accept_per_position": per_pos(self.greedy_alive),
-                "sampled_tau": [round(1 + float(self.sampled_alive[1:m + 1].sum() / b), 4)
-                                for m in range(1, self.k + 1)],
+                "sampled_tau": expected_tau(self.sampled_alive),
                 "sampled_accept_per_position": per_pos(self.sampled_alive),
-                "sampled_tau_greedy_draft": [round(1 + float(self.sampled_alive_greedy_draft[1:m + 1].sum() / b), 4)
-                                             for m in range(1, self.k + 1)],
+                "sampled_tau_greedy_draft": expected_tau(self.sampled_alive_greedy_draft),
                 "greedy_tau_served_walk": [round(1 + float(a / b), 4) if b else None
                                            for a, b in zip(self.walk_accepted, self.walk_blocks)],
                 "served_walk_blocks": [int(b) for b in self.walk_blocks]}
