@@ -109,11 +109,10 @@ def test_no_secret_of_the_shared_run_is_in_rays_session_the_run_or_its_output(sh
     decides which are secrets, by name or value). Ray writes runtime envs to its logs (runtime_env_agent.log held the
     token in clear text) and shows them in the dashboard: secrets go to the actors at construction instead. Every
     file of this Ray session, both copies of the run directory and everything the job printed: zero hits."""
-    import ray
     from conftest import files_holding, secret_values
 
     needles = secret_values(shared_run.secrets)
-    session = ray._private.worker._global_node.get_session_dir_path()
+    session = shared_run.ray_session  # the Ray the run was made in (with workers, maybe the other worker's)
     assert os.path.isfile(os.path.join(session, "logs", "runtime_env_agent.log")), "the runtime envs were logged"
     assert files_holding(session, needles) == []
     assert files_holding(shared_run.full, needles) == [] and files_holding(shared_run.stage1, needles) == []

@@ -108,15 +108,20 @@ def test_x_stops_the_session_at_the_first_failure_not_after_each_workers_file(tm
 
 
 def test_files_with_alone_tests_are_never_neighbours_where_it_can_be_helped():
-    from conftest import FILE_SECONDS, RUN_LAST, file_order
+    from conftest import FILE_SECONDS, LIGHT_FILE_SECONDS, WITH_THE_LIGHT_FILES, file_order
 
     files = [*FILE_SECONDS, "test_new_a.py", "test_new_b.py"]
-    alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train_online.py", *RUN_LAST}
+    alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train_online.py",
+             *WITH_THE_LIGHT_FILES}
     order = file_order(files, alone)
     assert sorted(order) == sorted(files)
-    assert order[-len(RUN_LAST):] == list(RUN_LAST)
-    body = order[:-len(RUN_LAST)]
-    assert not [pair for pair in zip(body, body[1:]) if set(pair) <= alone], body
-    assert body[0] == max(FILE_SECONDS, key=FILE_SECONDS.get), "the longest file first"
+    assert not [pair for pair in zip(order, order[1:]) if set(pair) <= alone], order
+    assert order[0] == max(FILE_SECONDS, key=FILE_SECONDS.get), "the longest file first"
+    # The held-back files come right after the last file that is not light, and only light ones follow them.
+    first_held = order.index(WITH_THE_LIGHT_FILES[0])
+    after = order[first_held + len(WITH_THE_LIGHT_FILES):]
+    assert after and all(FILE_SECONDS.get(f, 0) < LIGHT_FILE_SECONDS for f in after), after
+    assert FILE_SECONDS.get(order[first_held - 1], 0) >= LIGHT_FILE_SECONDS, order
+    assert {"test_new_a.py", "test_new_b.py"} <= set(after), "a file without an entry counts as light"
     # More `alone` files than others: they still all run, neighbours only where nothing else is left.
     assert file_order(["a.py", "b.py", "c.py"], {"a.py", "b.py"}) == ["a.py", "c.py", "b.py"]

@@ -209,7 +209,18 @@ def vllm_samples(tiny_model_dir):
 
     from job.builtin.demo import demo_questions
 
-    llm = LLM(model=tiny_model_dir, max_model_len=1024, enforce_eager=True)
+    # The engine in this process, as configs/demo.yaml runs it (VLLM_ENABLE_V1_MULTIPROCESSING "0"): the CPU build
+    # otherwise starts an EngineCore and a worker process, each importing torch and vLLM again (54 s of this test's
+    # setup in the last fresh-clone run). vLLM reads the variable when the engine starts; put back after.
+    was = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(model=tiny_model_dir, max_model_len=1024, enforce_eager=True)
+    finally:
+        if was is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = was
     params = llm.get_default_sampling_params()  # no per-request seed: it kills the CPU engine
     params.max_tokens = 768
     questions = demo_questions()
