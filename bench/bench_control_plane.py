@@ -22,6 +22,10 @@ after its imports, with the S3 requests it made and its peak RSS:
   d. export selection    scan.done_hidden_state_parts (what export, `load` and the notebook read)
   e. notebook opening    run_overview, build_status, generate.report.build_report, notebook.read_rows (the cells
                          up to `rows`)
+  r. stage 1's cache save what a stage 1 on S3 does every ~10 min and at its end (generate/run.py _remember_shards,
+                         under its writer lock): the trust cache of the footers and the rows cache of the small
+                         columns (job/rows_cache.py), reading only the shards neither holds; the run's state after a
+                         finished stage 1
   g, h. rerun            the whole `python -m job generate` / `hidden-states` command on the finished run (wall
                          time, imports included): a rerun that has nothing to do.
 """
@@ -47,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STEPS = {"a": "generate (resume)", "b": "stage-2 plan", "c": "status", "d": "export selection",
-         "e": "notebook opening"}
+         "e": "notebook opening", "r": "stage 1's cache save"}
 SHARDS_PER_FILE = 1000
 BUCKET = "bench"
 
@@ -127,6 +131,12 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
         elif step == "d":
             parts = scan.done_hidden_state_parts(run, config.storage)
             assert parts, "no done parts"
+        elif step == "r":
+            from job import layout, stage
+            from job.generate.run import _remember_shards
+
+            with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as held:
+                _remember_shards(config, held.fence)
         elif step == "e":
             notebook.run_overview(run, config.storage)
             status.build_status(run, config.storage)
@@ -386,21 +396,24 @@ RERUNS = {"g": "generate", "h": "hidden-states"}
 
 def caches(run: str) -> str:
     """Which trust caches (job/trust_cache.py) the run has now: what the next step finds."""
-    from job import storage, trust_cache
+    from job import rows_cache, storage, trust_cache
 
     found = [kind for kind in (trust_cache.COMPLETIONS, trust_cache.MARKERS)
              if storage.is_s3(run) and storage.exists(trust_cache.uri_of(run, kind))]
+    if storage.is_s3(run) and storage.exists(rows_cache.uri_of(run)):
+        found.append(rows_cache.KIND)
     return "+".join(found) or "none"
 
 
 def drop_caches(run: str) -> None:
-    """Step 0: delete the run's trust caches, so the steps after it read every footer and marker again (as on a
-    run made before the cache, until a stage's writer writes one)."""
-    from job import storage, trust_cache
+    """Step 0: delete the run's trust caches and rows cache, so the steps after it read every footer, marker and
+    shard again (as on a run made before the caches, until a stage's writer writes them)."""
+    from job import rows_cache, storage, trust_cache
 
-    for kind in (trust_cache.COMPLETIONS, trust_cache.MARKERS):
-        if storage.is_s3(run) and storage.exists(trust_cache.uri_of(run, kind)):
-            storage.delete(trust_cache.uri_of(run, kind))
+    for uri in (trust_cache.uri_of(run, trust_cache.COMPLETIONS), trust_cache.uri_of(run, trust_cache.MARKERS),
+                rows_cache.uri_of(run)):
+        if storage.is_s3(run) and storage.exists(uri):
+            storage.delete(uri)
 
 
 def rerun(cmd: str, run: str, inp: str, model: str, endpoint: str | None, where: str, n: int) -> None:

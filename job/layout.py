@@ -94,6 +94,11 @@ def lock_name(stage: str) -> str:
     return f"{LOCKS_DIR}/{stage}.json"
 
 
+def rows_cache_name() -> str:
+    """The completion shards' small columns in one object (job/rows_cache.py; stage 1 writes it)."""
+    return f"{CACHE_DIR}/rows.arrows"  # a JSON header line, then an Arrow IPC stream
+
+
 def trust_cache_name(kind: str) -> str:
     """The trust cache of one kind of file (job/trust_cache.py): `completions` (stage 1 writes it) or `markers`
     (stage 2)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from job import layout, schema, storage, trust_cache
+from job import layout, rows_cache, schema, storage, trust_cache
 from job.runs import RunError, read_run_json
 from job.storage import StorageConfig
 
@@ -101,16 +101,22 @@ def read_columns(run_uri: str, columns: list[str] | None = None, storage_config:
                  unreadable: dict[str, str] | None = None, num_threads: int = 16) -> pa.Table:
     """`columns` (default SMALL_COLUMNS) of every trusted completion shard of the run (or of `shards`: URIs the
     caller took from `trusted_completion_shards`) as one table, in shard-name order; with `shard_column`, a column
-    of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out."""
+    of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out.
+    On S3, the rows of every shard whose size and ETag the rows cache holds come from it (job/rows_cache.py: one
+    GET in all), the others from the shards."""
     columns = list(columns or SMALL_COLUMNS)
     if shards is None:
         found = trusted_completion_shards(run_uri, storage_config)
         uris = [s.uri for s in found.trusted]
         if unreadable is not None:
             unreadable.update(found.problems)
+        cached = rows_cache.load(run_uri, storage_config)
+        hits = [cached.get(s.name, s.size, s.etag, columns) for s in found.trusted]
     else:
-        uris = shards
-    tables = read_shard_tables(uris, columns, storage_config, num_threads)
+        uris, hits = shards, [None] * len(shards)
+    misses = [uri for uri, hit in zip(uris, hits) if hit is None]
+    read = iter(read_shard_tables(misses, columns, storage_config, num_threads))
+    tables = [hit if hit is not None else next(read) for hit in hits]
     if shard_column:
         tables = [t.append_column(shard_column, pa.array([uri] * t.num_rows, pa.string()))
                   for uri, t in zip(uris, tables)]
@@ -312,6 +318,30 @@ def remember_completion_shards(run_uri: str, found: CompletionShards, storage_co
     """Save what `found` trusted as the run's completion trust cache: stage 1 only, under its writer lock's fence
     (job/trust_cache.py). Returns whether it wrote (nothing new: nothing written)."""
     return trust_cache.save(run_uri, trust_cache.COMPLETIONS, found.cache, storage_config, fence)
+
+
+def remember_small_columns(run_uri: str, found: CompletionShards, storage_config: StorageConfig | None, fence,
+                           num_threads: int = 16) -> int | None:
+    """Save the SMALL_COLUMNS of every shard `found` trusted as the run's rows cache (job/rows_cache.py): stage 1
+    only, under its writer lock's fence. Rows the cache already holds for a shard's listed size and ETag are kept;
+    only the other shards are read (one read each). Returns how many shards were read, or None when nothing was
+    written (a local run, or nothing changed)."""
+    if not storage.is_s3(run_uri):
+        return None
+    cached = rows_cache.load(run_uri, storage_config)
+    shards = [s for s in found.trusted if s.etag is not None]
+    hits = [cached.get(s.name, s.size, s.etag, SMALL_COLUMNS) for s in shards]
+    if all(h is not None for h in hits) and set(cached.index) == {s.name for s in shards}:
+        return None
+    misses = [s for s, hit in zip(shards, hits) if hit is None]
+    read = iter(read_shard_tables([s.uri for s in misses], SMALL_COLUMNS, storage_config, num_threads))
+    tables = [hit if hit is not None else next(read) for hit in hits]
+    try:
+        rows = rows_cache.build([(s.name, s.size, s.etag, t) for s, t in zip(shards, tables)], SMALL_COLUMNS)
+    except pa.ArrowInvalid:  # the shards' columns do not concatenate (a type changed): no cache, every shard read
+        return None
+    rows_cache.save(run_uri, rows, storage_config, fence)
+    return len(misses)
 
 
 def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:

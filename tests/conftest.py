@@ -36,6 +36,12 @@ DEMO_CONFIG = str(REPO / "configs" / "demo.yaml")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# OpenMP threads that wait sleep instead of spinning, in this process and everything it starts (engines, Ray workers,
+# trainers; libgomp reads it when torch loads it). Two workers share 2 cores, and each torch process runs 2 threads:
+# a spinning thread burns the core its partner needs. Measured here, two tiny-model builds side by side took 61 s
+# each, 14 s alone; with PASSIVE 23 s each, the two cores' ideal (alone it costs ~20 % on this model's small
+# kernels, byte-identical results). Issue 47.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Keep Python's bytecode cache, in this process and every process it starts (engine actors, Ray workers, CLIs), also
 # when pytest is run without make: with PYTHONDONTWRITEBYTECODE set each of them compiles vLLM, torch and Ray again
 # (an engine start 37 s instead of 21 s; Makefile, "unexport PYTHONDONTWRITEBYTECODE").

@@ -103,6 +103,14 @@ def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared
     # A finished job rerun starts no engine (its time is in the log: a timing is never a test).
     assert run.rerun.already_complete and run.rerun.num_rows == 0
 
+    # Stage 1 left its shards' small columns in one object (job/rows_cache.py), for every shard it trusted: the
+    # notebook's rows read on S3 come from it, and are the rows read from the shards themselves (the local copy).
+    from job import rows_cache, scan
+
+    cached = rows_cache.load(run.s3)
+    assert sorted(cached.index) == [s.name for s in scan.trusted_completion_shards(run.s3).trusted]
+    assert scan.read_columns(run.s3).equals(scan.read_columns(run.full))
+
 
 def test_no_secret_of_the_shared_run_is_in_rays_session_the_run_or_its_output(shared_run):
     """Issue 28: the shared run gave both stages unique fake secrets of every shape as env_vars (job/redaction.py

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from job import layout, scan, schema, stage, storage, trust_cache
+from job import layout, rows_cache, scan, schema, stage, storage, trust_cache
 from job.config import RunConfig
 from job.trust_cache import Entries
 
@@ -189,3 +189,85 @@ def test_markers_come_from_the_cache_until_one_is_rewritten(s3_server, s3_bucket
     judged = scan.stage2_markers(run, found.listed, found.checks)
     assert reads == [storage.join(hidden, markers[names[1]])]
     assert set(judged.matching) == {names[0]} and judged.stale == {names[1]: [markers[names[1]]]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rows cache (job/rows_cache.py): the small columns of every trusted shard in one object
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cached_rows_count_only_with_their_size_etag_and_every_wanted_column():
+    a = pa.table({schema.ID: ["a0", "a1"], schema.NUM_OUTPUT_TOKENS: pa.array([1, 2], pa.int32())})
+    b = pa.table({schema.ID: ["b0"], schema.NUM_OUTPUT_TOKENS: pa.array([3], pa.int32()),
+                  schema.VARIANT: ["x"]})  # a column the older shard `a` lacks
+    rows = rows_cache.build([("b", 10, "e-b", b), ("a", 20, "e-a", a)],
+                            [schema.ID, schema.NUM_OUTPUT_TOKENS, schema.VARIANT, schema.TURN])  # no shard has TURN
+    cols = [schema.ID, schema.VARIANT, schema.NUM_OUTPUT_TOKENS, schema.TURN]
+    assert rows.get("a", 20, "e-a", cols).to_pydict() == {schema.ID: ["a0", "a1"], schema.NUM_OUTPUT_TOKENS: [1, 2]}, \
+        "as a read of the shard gives it: the column it lacks is absent, the others in the order asked"
+    assert rows.get("b", 10, "e-b", cols).to_pydict() == {schema.ID: ["b0"], schema.VARIANT: ["x"],
+                                                           schema.NUM_OUTPUT_TOKENS: [3]}
+    assert rows.get("a", 21, "e-a", cols) is None, "another size"
+    assert rows.get("a", 20, "e-other", cols) is None, "another ETag: the shard changed"
+    assert rows.get("a", 20, None, cols) is None, "no ETag (a local file)"
+    assert rows.get("c", 20, "e-a", cols) is None, "not cached"
+    assert rows.get("a", 20, "e-a", [schema.ID, "output_token_ids"]) is None, "a column the cache does not keep"
+
+    data = rows_cache.encode(rows)
+    again = rows_cache.decode(data)
+    assert again.index == rows.index and again.table.equals(rows.table)
+    assert rows_cache.decode(data[:-7]).index == {}, "cut short"
+    assert rows_cache.decode(data.replace(b'"e-a"', b'"e-z"', 1)).index == {}, "an index that does not match its digest"
+    assert rows_cache.decode(b"not a cache").index == {}
+    assert rows_cache.decode(rows_cache.encode(rows_cache.Rows())).index == {}, "an empty cache"
+
+
+def test_the_rows_cache_serves_every_unchanged_shard_and_reads_the_changed_ones(s3_server, s3_bucket, monkeypatch):
+    run = f"s3://{s3_bucket}/run"
+    completions = storage.join(run, layout.COMPLETIONS_DIR)
+    names = [layout.completion_shard_name(0, s, s + 8) for s in (0, 8, 16, 24)]
+    for n in names:
+        _shard(storage.join(completions, n))
+    reads: list[str] = []
+    real = storage.read_shard_columns
+    monkeypatch.setattr(storage, "read_shard_columns",
+                        lambda uri, cols, cfg=None: reads.append(uri) or real(uri, cols, cfg))  # counted
+    direct = scan.read_columns(run, shards=[storage.join(completions, n) for n in names])  # never the cache
+    assert len(reads) == 4 and not storage.exists(rows_cache.uri_of(run)), "readers write no cache"
+
+    found = scan.trusted_completion_shards(run)
+    with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
+                       take_lock=False) as held:  # stage 1 saves it
+        reads.clear()
+        assert scan.remember_small_columns(run, found, None, held.fence) == 4 and len(reads) == 4
+        reads.clear()
+        assert scan.remember_small_columns(run, found, None, held.fence) is None and reads == [], "nothing new"
+    reads.clear()
+    assert scan.read_columns(run).equals(direct) and reads == [], "every row from the cache: no shard read"
+
+    # Shard 1 regenerated under its name (another content: another ETag), shard 2 cut short: shard 1 is read again,
+    # shard 2 is left out and named, whatever the cache holds for them.
+    _shard(storage.join(completions, names[1]))
+    data = storage.read_bytes(storage.join(completions, names[2]))
+    storage.write_bytes_atomic(storage.join(completions, names[2]), data[:-40])
+    reads.clear()
+    problems: dict[str, str] = {}
+    after = scan.read_columns(run, unreadable=problems)
+    assert reads == [storage.join(completions, names[1])] and set(problems) == {names[2]}
+    assert after.equals(scan.read_columns(run, shards=[storage.join(completions, n) for n in (names[0], names[1],
+                                                                                              names[3])]))
+    assert after.num_rows == 24
+
+    # A damaged cache file is no cache: every shard is read.
+    storage.write_bytes_atomic(rows_cache.uri_of(run), storage.read_bytes(rows_cache.uri_of(run))[:-9])
+    reads.clear()
+    assert scan.read_columns(run).equals(after) and len(reads) == 3
+
+
+def test_a_local_run_has_no_rows_cache(tmp_path):
+    run = str(tmp_path / "run")
+    _shard(storage.join(run, layout.COMPLETIONS_DIR, layout.completion_shard_name(0, 0, 8)))
+    with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
+                       take_lock=False) as held:
+        assert scan.remember_small_columns(run, scan.trusted_completion_shards(run), None, held.fence) is None
+    assert not (tmp_path / "run" / layout.CACHE_DIR).exists() and scan.read_columns(run).num_rows == 8

@@ -316,16 +316,19 @@ only the footers of the last ~10 minutes' shards, not of every shard this job wr
 
 def _remember_shards(config: RunConfig, fence) -> None:
     """The run's completion shards trusted now (a footer read for each shard the trust cache does not hold) and
-    saved as its cache (job/trust_cache.py). A cache that cannot be written now is no failure: it is an optimization,
-    and the next resume writes it."""
+    saved as its cache (job/trust_cache.py), with their small columns (job/rows_cache.py). A cache that cannot be
+    written now is no failure: it is an optimization, and the next save writes it."""
     if not storage.is_s3(config.output):
         return
     try:
-        scan.remember_completion_shards(config.output, scan.trusted_completion_shards(config.output, config.storage),
-                                        config.storage, fence)
+        found = scan.trusted_completion_shards(config.output, config.storage)
+        scan.remember_completion_shards(config.output, found, config.storage, fence)
+        # And their small columns in one object (job/rows_cache.py): the notebook and the report read it, not every
+        # shard. Only the shards written since the last save are read here.
+        scan.remember_small_columns(config.output, found, config.storage, fence)
     except storage.StorageError as e:
-        log.warning("the completion shards' trust cache could not be written (%s); the next command reads their "
-                    "footers", e)
+        log.warning("the completion shards' caches could not be written (%s); the next command reads their "
+                    "footers and rows", e)
 
 
 class _Consumer:
