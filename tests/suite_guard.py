@@ -110,6 +110,21 @@ def _mirror_capture(config, worker: str) -> None:
             last = data
 
 
+ALONE_WAITS = "alone-waits.txt"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every wait of an `alone` test for another one, in every log: how much of the wall time the lock cost."""
+    if _worker_id(terminalreporter.config) is not None:
+        return
+    path = _state_dir() / ALONE_WAITS
+    waits = path.read_text().splitlines() if path.exists() else []
+    for line in waits:
+        terminalreporter.write_line(f"alone: waited {line}")
+    if not waits:
+        terminalreporter.write_line("alone: no `alone` test waited for another")
+
+
 @pytest.fixture(autouse=True)
 def _alone_among_heavy_tests(request):
     """Tests marked `alone` hold one lock for their whole duration (setup included)."""
@@ -122,6 +137,10 @@ def _alone_among_heavy_tests(request):
         waited = time.monotonic() - waited
         if waited > 1:
             print(f"[suite] waited {waited:.0f} s for another `alone` test to finish")
+            # For the log's summary (the print above is captured): a wait counts in the test's setup time, and
+            # the two workers' file order is chosen to avoid it (conftest.file_order).
+            with open(_state_dir() / ALONE_WAITS, "a") as f:
+                f.write(f"{waited:.0f} s  {request.node.nodeid}\n")
         try:
             yield
         finally:

@@ -78,6 +78,12 @@ def test_alone_tests_never_overlap(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (a0, a1), (b0, b1) = (map(float, (spans / n).read_text().split()) for n in ("one", "two"))
     assert a1 <= b0 or b1 <= a0, f"the two `alone` tests overlapped: {a0}-{a1} and {b0}-{b1}"
+    # The log's summary says which test waited, and how long (none, when the workers did not start together).
+    waits = [line for line in proc.stdout.splitlines() if line.startswith("alone: ")]
+    later = "two" if b0 > a0 else "one"
+    assert waits == ["alone: no `alone` test waited for another"] or (
+        len(waits) == 1 and waits[0].startswith("alone: waited ") and f"test_{later}.py::test_{later}" in waits[0]
+    ), proc.stdout
 
 
 def test_the_deadline_stops_a_hung_session_and_names_the_test(tmp_path):
