@@ -139,9 +139,10 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
                 _remember_shards(config, held.fence)
         elif step == "e":
             notebook.run_overview(run, config.storage)
-            status.build_status(run, config.storage)
+            found = notebook.completion_shards(run, config.storage)  # as the notebook's cells: one listing
+            status.build_status(run, config.storage, found=found)
             unreadable: dict[str, str] = {}  # as the notebook's cells: the rows read once, the report built on them
-            rows = notebook.read_rows(run, storage_config=config.storage, unreadable=unreadable)
+            rows = notebook.read_rows(run, storage_config=config.storage, unreadable=unreadable, found=found)
             report.build_report(run, config.storage, rows=rows, unreadable=unreadable)
     seconds = time.perf_counter() - t0
     if profiler is not None:

@@ -98,15 +98,17 @@ def read_shard_tables(uris: list[str], columns: list[str], storage_config: Stora
 
 def read_columns(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None, *,
                  shard_column: str | None = None, shards: list[str] | None = None,
-                 unreadable: dict[str, str] | None = None, num_threads: int = 16) -> pa.Table:
+                 unreadable: dict[str, str] | None = None, num_threads: int = 16,
+                 found: CompletionShards | None = None) -> pa.Table:
     """`columns` (default SMALL_COLUMNS) of every trusted completion shard of the run (or of `shards`: URIs the
     caller took from `trusted_completion_shards`) as one table, in shard-name order; with `shard_column`, a column
-    of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out.
+    of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out. `found`:
+    `trusted_completion_shards`' answer already taken (else it is asked now).
     On S3, the rows of every shard whose size and ETag the rows cache holds come from it (job/rows_cache.py: one
     GET in all), the others from the shards."""
     columns = list(columns or SMALL_COLUMNS)
     if shards is None:
-        found = trusted_completion_shards(run_uri, storage_config)
+        found = found or trusted_completion_shards(run_uri, storage_config)
         uris = [s.uri for s in found.trusted]
         if unreadable is not None:
             unreadable.update(found.problems)

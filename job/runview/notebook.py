@@ -124,14 +124,23 @@ DAMAGED_SHARDS_NOTE = ("left out here (`python -m job status` names them too); t
                        "moves them aside to quarantine/ and generates their rows again")
 
 
+def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> scan.CompletionShards:
+    """The run's completion shards, listed and judged once (scan.trusted_completion_shards), for the cells that
+    follow: `status.build_status(..., found=)` and `read_rows(..., found=)` then list nothing again (at 20,000 shards
+    on S3 a listing of completions/ is 20 LISTs). Run the cell again to see shards written since."""
+    return scan.trusted_completion_shards(run_uri, storage_config)
+
+
 def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
-              num_threads: int = 16, unreadable: dict[str, str] | None = None) -> pa.Table:
+              num_threads: int = 16, unreadable: dict[str, str] | None = None,
+              found: scan.CompletionShards | None = None) -> pa.Table:
     """The small columns of every trusted completion shard (default ROW_COLUMNS), plus `shard`: its URI. A shard
     that cannot be trusted (truncated, zero bytes: scan.trusted_completion_shards, the rule `status` and both stages
-    follow) is left out, and one line printed names it; `unreadable` receives {name: problem}."""
+    follow) is left out, and one line printed names it; `unreadable` receives {name: problem}. `found`: the shards
+    as `completion_shards` gave them (else listed now)."""
     problems: dict[str, str] = {}
     rows = scan.read_columns(run_uri, columns or ROW_COLUMNS, storage_config, shard_column=SHARD,
-                             unreadable=problems, num_threads=num_threads)
+                             unreadable=problems, num_threads=num_threads, found=found)
     if problems:
         print(scan.unreadable_line(problems, DAMAGED_SHARDS_NOTE), flush=True)
     if unreadable is not None:

@@ -198,8 +198,11 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
 
 
 def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, window_s: float = 1800.0,
-                 now: float | None = None, read_columns: bool = True) -> dict:
-    """Everything `python -m job status` prints, as a dict (also what `--json` prints)."""
+                 now: float | None = None, read_columns: bool = True,
+                 found: scan.CompletionShards | None = None) -> dict:
+    """Everything `python -m job status` prints, as a dict (also what `--json` prints). `found`: the completion
+    shards as `scan.trusted_completion_shards` judged them a moment ago (the notebook shares one listing between
+    its cells); by default they are listed and judged now."""
 
     storage_config = storage_config or StorageConfig()
     now = time.time() if now is None else now
@@ -207,7 +210,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")
     rows_per_shard = run.get("config", {}).get("generate", {}).get("rows_per_shard")
-    found = scan.trusted_completion_shards(run_uri, storage_config)
+    found = found or scan.trusted_completion_shards(run_uri, storage_config)
     shards = scan_completions(run_uri, storage_config, read_columns=read_columns, found=found)
 
     done = _covered_rows(shards)
