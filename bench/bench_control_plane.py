@@ -438,8 +438,9 @@ def main() -> None:
     parser.add_argument("--where", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     parser.add_argument("--steps", default="0dbcaghdbce", help="in this order; g, h: the whole `generate` / "
                         "`hidden-states` command on the finished run (wall time, imports included); 0: delete the "
-                        "run's trust caches (the steps after it read every footer and marker, until a stage writes "
-                        "its cache: a and g write the footers', h the markers')")
+                        "run's trust caches and rows cache (the steps after it read every footer and marker, until "
+                        "a stage writes its cache: a and g write the footers', h the markers', r the footers' and the "
+                        "rows'); r: stage 1's cache save, as after a finished stage 1")
     parser.add_argument("--rows-per-shard", type=int, default=128, help="the seed: 914K prompts in ~7,200 shards")
     parser.add_argument("--tokens-per-row", type=int, default=2, help="output token ids per row: 2 keeps 20,000 "
                         "shards small (7 KB: every read of a shard is its one tail read); 400 makes ~90 KB shards "
