@@ -58,7 +58,7 @@ class Rows:
 
 def build(shards: list[tuple[str, int, str, pa.Table]], columns: list[str]) -> Rows:
     """A cache of these (name, size, ETag, the shard's `columns`: those it has) in name order. Raises
-    pyarrow.ArrowInvalid when the shards' columns do not concatenate (a type changed between versions): the caller
+    pyarrow.ArrowTypeError (or ArrowInvalid) when the shards' columns do not concatenate (a type changed): the caller
     then keeps none."""
     shards = sorted(shards, key=lambda s: s[0])
     index, offset = {}, 0

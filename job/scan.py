@@ -340,7 +340,7 @@ def remember_small_columns(run_uri: str, found: CompletionShards, storage_config
     tables = [hit if hit is not None else next(read) for hit in hits]
     try:
         rows = rows_cache.build([(s.name, s.size, s.etag, t) for s, t in zip(shards, tables)], SMALL_COLUMNS)
-    except pa.ArrowInvalid:  # the shards' columns do not concatenate (a type changed): no cache, every shard read
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # the shards' columns do not concatenate (a type changed): no cache
         return None
     rows_cache.save(run_uri, rows, storage_config, fence)
     return len(misses)

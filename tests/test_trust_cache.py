@@ -271,3 +271,20 @@ def test_a_local_run_has_no_rows_cache(tmp_path):
                        take_lock=False) as held:
         assert scan.remember_small_columns(run, scan.trusted_completion_shards(run), None, held.fence) is None
     assert not (tmp_path / "run" / layout.CACHE_DIR).exists() and scan.read_columns(run).num_rows == 8
+
+
+def test_shards_whose_columns_do_not_concatenate_get_no_rows_cache(s3_server, s3_bucket):
+    """A column whose type changed between shards (an older writer's int32, a newer int64): no cache is written,
+    and nothing fails (the cache is an optimization; stage 1 calls this while it runs)."""
+    run = f"s3://{s3_bucket}/run"
+    for start, dtype in ((0, pa.int32()), (8, pa.int64())):
+        table = pa.table({schema.ID: [f"r{i}" for i in range(8)], schema.ERROR: pa.nulls(8, pa.string()),
+                          schema.NUM_OUTPUT_TOKENS: pa.array(range(8), dtype)})
+        storage.write_bytes_atomic(storage.join(run, layout.COMPLETIONS_DIR, layout.completion_shard_name(0, start,
+                                                                                                          start + 8)),
+                                   storage.table_to_ipc_bytes(table.replace_schema_metadata(
+                                       {schema.META_SHARD_ID: uuid.uuid4().hex})))
+    with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
+                       take_lock=False) as held:
+        assert scan.remember_small_columns(run, scan.trusted_completion_shards(run), None, held.fence) is None
+    assert not storage.exists(rows_cache.uri_of(run))

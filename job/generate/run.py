@@ -323,12 +323,18 @@ def _remember_shards(config: RunConfig, fence) -> None:
     try:
         found = scan.trusted_completion_shards(config.output, config.storage)
         scan.remember_completion_shards(config.output, found, config.storage, fence)
-        # And their small columns in one object (job/rows_cache.py): the notebook and the report read it, not every
-        # shard. Only the shards written since the last save are read here.
-        scan.remember_small_columns(config.output, found, config.storage, fence)
     except storage.StorageError as e:
-        log.warning("the completion shards' caches could not be written (%s); the next command reads their "
-                    "footers and rows", e)
+        log.warning("the completion shards' trust cache could not be written (%s); the next command reads their "
+                    "footers", e)
+        return
+    try:
+        # And their small columns in one object (job/rows_cache.py): the notebook and the report read it, not every
+        # shard. Only the shards written since the last save are read here: their bodies, not only their footers,
+        # so a shard moved or damaged since the listing fails this save (never the run; a fenced-out job still stops).
+        scan.remember_small_columns(config.output, found, config.storage, fence)
+    except (storage.StorageError, OSError, pa.ArrowException) as e:
+        log.warning("the completion shards' rows cache could not be written (%s); the notebook and `report` read "
+                    "every shard", e)
 
 
 class _Consumer:
