@@ -96,6 +96,16 @@ def read_shard_tables(uris: list[str], columns: list[str], storage_config: Stora
         return list(pool.map(read, uris))
 
 
+def cached_or_read(shards: list[CompletionShard], columns: list[str], cached: rows_cache.Rows,
+                   storage_config: StorageConfig | None = None, num_threads: int = 16) -> tuple[list[pa.Table], int]:
+    """Each shard's `columns`, in `shards`' order: from the rows cache where it holds the shard's listed size and
+    ETag, else read from the shard (one read each, in parallel). Returns (the tables, how many shards were read)."""
+    hits = [cached.get(s.name, s.size, s.etag, columns) for s in shards]
+    misses = [s.uri for s, hit in zip(shards, hits) if hit is None]
+    read = iter(read_shard_tables(misses, columns, storage_config, num_threads))
+    return [hit if hit is not None else next(read) for hit in hits], len(misses)
+
+
 def read_columns(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None, *,
                  shard_column: str | None = None, shards: list[str] | None = None,
                  unreadable: dict[str, str] | None = None, num_threads: int = 16,
@@ -112,13 +122,10 @@ def read_columns(run_uri: str, columns: list[str] | None = None, storage_config:
         uris = [s.uri for s in found.trusted]
         if unreadable is not None:
             unreadable.update(found.problems)
-        cached = rows_cache.load(run_uri, storage_config)
-        hits = [cached.get(s.name, s.size, s.etag, columns) for s in found.trusted]
+        tables, _ = cached_or_read(found.trusted, columns, rows_cache.load(run_uri, storage_config), storage_config,
+                                   num_threads)
     else:
-        uris, hits = shards, [None] * len(shards)
-    misses = [uri for uri, hit in zip(uris, hits) if hit is None]
-    read = iter(read_shard_tables(misses, columns, storage_config, num_threads))
-    tables = [hit if hit is not None else next(read) for hit in hits]
+        uris, tables = shards, read_shard_tables(shards, columns, storage_config, num_threads)
     if shard_column:
         tables = [t.append_column(shard_column, pa.array([uri] * t.num_rows, pa.string()))
                   for uri, t in zip(uris, tables)]
@@ -332,18 +339,15 @@ def remember_small_columns(run_uri: str, found: CompletionShards, storage_config
         return None
     cached = rows_cache.load(run_uri, storage_config)
     shards = [s for s in found.trusted if s.etag is not None]
-    hits = [cached.get(s.name, s.size, s.etag, SMALL_COLUMNS) for s in shards]
-    if all(h is not None for h in hits) and set(cached.index) == {s.name for s in shards}:
+    tables, num_read = cached_or_read(shards, SMALL_COLUMNS, cached, storage_config, num_threads)
+    if num_read == 0 and set(cached.index) == {s.name for s in shards}:
         return None
-    misses = [s for s, hit in zip(shards, hits) if hit is None]
-    read = iter(read_shard_tables([s.uri for s in misses], SMALL_COLUMNS, storage_config, num_threads))
-    tables = [hit if hit is not None else next(read) for hit in hits]
     try:
         rows = rows_cache.build([(s.name, s.size, s.etag, t) for s, t in zip(shards, tables)], SMALL_COLUMNS)
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # the shards' columns do not concatenate (a type changed): no cache
         return None
     rows_cache.save(run_uri, rows, storage_config, fence)
-    return len(misses)
+    return num_read
 
 
 def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:

@@ -34,15 +34,17 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 
 def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows: pa.Table | None = None,
-                 unreadable: dict[str, str] | None = None) -> dict:
+                 unreadable: dict[str, str] | None = None, found: scan.CompletionShards | None = None) -> dict:
     """The run's quality report from its trusted shards' small columns. `rows`: those columns already read (the
     notebook's `read_rows`, with the shards it could not read in `unreadable`): every shard is read once, not twice
-    (at 20,000 shards on S3 each read is 20,000 GETs)."""
+    (at 20,000 shards on S3 each read is 20,000 GETs). `found`: the shards as `scan.trusted_completion_shards`
+    judged them a moment ago (stage 1's end), else they are listed and judged now."""
     storage_config = storage_config or StorageConfig()
     run = scan.require_run(run_uri, storage_config)
     if rows is None:
         problems: dict[str, str] = {}
-        table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems)  # trusted only
+        table = scan.read_columns(run_uri, _REPORT_COLUMNS, storage_config, unreadable=problems,
+                                  found=found)  # trusted only
     else:
         # As read_columns gives them: a column an older shard lacks (`variant`) is absent, not an error.
         table = rows.select([c for c in _REPORT_COLUMNS if c in rows.column_names])
@@ -119,10 +121,11 @@ def format_report(report: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None) -> dict:
-    """Stage 1's report (`build_report`, from the shards) stored at reports/generate.json under the
+def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None,
+                 found: scan.CompletionShards | None = None) -> dict:
+    """Stage 1's report (`build_report`, from the shards; `found` as there) stored at reports/generate.json under the
     writer lock's fence, as stage 2 stores its own."""
-    report = build_report(run_uri, storage_config)
+    report = build_report(run_uri, storage_config, found=found)
     storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
                        guard)
     return report
@@ -133,11 +136,12 @@ def print_summary(config, summary) -> None:
     if summary.already_complete:
         print(f"run {config.output} was already complete: {summary.num_rows_total:,} rows, nothing regenerated")
         return
-    try:
-        report = build_report(config.output, config.storage)
-    except storage.StorageError as e:
-        print(f"\n(report unavailable right now: {e})")
-        report = None
+    report = summary.quality  # as the job stored it; else (it could not be written) read now
+    if report is None:
+        try:
+            report = build_report(config.output, config.storage)
+        except storage.StorageError as e:
+            print(f"\n(report unavailable right now: {e})")
     if report:
         print()
         print(format_report(report))

@@ -48,6 +48,7 @@ class GenerateSummary(stage.StageSummary):
     units_per_node: dict[str, int] = field(default_factory=dict)  # Ray node id → units its engines wrote
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # device name → the engines' max_num_seqs on it
     sizing: dict[str, dict] = field(default_factory=dict)  # device name → `max_num_seqs: auto`'s check (engine_sizing)
+    quality: dict | None = None  # the quality report as this job stored it (print_summary shows it; no second read)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -244,9 +245,11 @@ def _generate(config: RunConfig, run_input: _RunInput, ray_session: stage.RaySes
                                              "max_num_seqs": summary.max_num_seqs,
                                              "max_num_seqs_auto": summary.sizing,
                                              "output_tokens_per_s": summary.output_tokens_per_s}, fence)
-    _remember_shards(config, fence)  # the shards this job wrote: the next command (stage 2, `status`) reads no footer
+    # The shards this job wrote remembered: the next command (stage 2, `status`) reads no footer. The same listing
+    # and judgement serve the report (one footer pass and one rows read at the end, not two).
+    found = _remember_shards(config, fence)
     try:
-        write_report(config.output, config.storage, guard=fence.guard)
+        summary.quality = write_report(config.output, config.storage, guard=fence.guard, found=found)
         summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
     except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
         log.warning("the run is complete but its report could not be written (%s); "
@@ -314,19 +317,20 @@ CACHE_REFRESH_S = 600.0
 only the footers of the last ~10 minutes' shards, not of every shard this job wrote."""
 
 
-def _remember_shards(config: RunConfig, fence) -> None:
+def _remember_shards(config: RunConfig, fence) -> scan.CompletionShards | None:
     """The run's completion shards trusted now (a footer read for each shard the trust cache does not hold) and
     saved as its cache (job/trust_cache.py), with their small columns (job/rows_cache.py). A cache that cannot be
-    written now is no failure: it is an optimization, and the next save writes it."""
+    written now is no failure: it is an optimization, and the next save writes it. Returns the shards as judged
+    (None: a local run, which keeps no cache, or no listing now)."""
     if not storage.is_s3(config.output):
-        return
+        return None
     try:
         found = scan.trusted_completion_shards(config.output, config.storage)
         scan.remember_completion_shards(config.output, found, config.storage, fence)
     except storage.StorageError as e:
         log.warning("the completion shards' trust cache could not be written (%s); the next command reads their "
                     "footers", e)
-        return
+        return None
     try:
         # And their small columns in one object (job/rows_cache.py): the notebook and the report read it, not every
         # shard. Only the shards written since the last save are read here: their bodies, not only their footers,
@@ -335,6 +339,7 @@ def _remember_shards(config: RunConfig, fence) -> None:
     except (storage.StorageError, OSError, pa.ArrowException) as e:
         log.warning("the completion shards' rows cache could not be written (%s); the notebook and `report` read "
                     "every shard", e)
+    return found
 
 
 class _Consumer:

@@ -40,6 +40,10 @@ BATCH_SIZE = 2
 # 3x SpecForge's default 1e-4: with its cosine schedule over 5 steps, 1e-4 moves DFlash's loss by ~12%
 # (34.8 -> 30.6 on the random-token export), 3e-4 by ~40%, both falling every step; at 1e-3 it rises again after step 2.
 LEARNING_RATE = 3e-4
+# EAGLE-3's training-time-test unroll in the check: 3 positions (speculators' default ttt_steps), not SpecForge's 7.
+# The same loop and loss at any length >= 2; on CPU each position's loss runs in the Triton interpreter, so the
+# check of the tiny demo export took 61.6 s at 7 and 29.3 s at 3 (this 2-core machine, alone, 2026-12-06).
+CHECK_TTT_LENGTH = 3
 
 
 def _text_config(model_dir: str) -> dict:
@@ -244,6 +248,7 @@ def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: s
                 "attention_backend": "sdpa",
                 "batch_size": min(BATCH_SIZE, num_samples),
                 "max_steps": steps,
+                **({"ttt_length": CHECK_TTT_LENGTH} if fmt == "eagle3" else {}),
                 "learning_rate": LEARNING_RATE,
                 "log_interval": 1,
                 "seed": 0,
