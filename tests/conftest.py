@@ -82,13 +82,19 @@ LIGHT_FILE_SECONDS = 30  # a file under this counts as light: unit tests, a CLI 
 # (as it was until 2026-12-06) it ran by itself for its last 2.4 min while the other worker idled; taken before the
 # light files, the other worker runs those beside it (unit tests and CLIs: no engine, no Ray of their own).
 WITH_THE_LIGHT_FILES = ("test_job_submit.py",)
+# Files taken after every other: they change the environment for every process started after them.
+# test_make_notebook.py installs Jupyter into .venv, and with it jsonschema's optional rfc3987-syntax, which `import
+# ray` then loads in every later process (0.8 s → 2.2 s here: it builds a grammar at import).
+LAST_FILES = ("test_make_notebook.py",)
 
 
 def file_order(files: list[str], alone: set[str]) -> list[str]:
     """The order in which the two workers take files: longest first (FILE_SECONDS), WITH_THE_LIGHT_FILES just before
-    the light files (the last ones of LIGHT_FILE_SECONDS or less), and no two files with `alone` tests next to each
-    other (the two workers take neighbouring files at about the same time, and two `alone` tests at once means one
-    waits on the other's lock: 238 s lost at the start of a run, 2026-12-06)."""
+    the light files (the last ones of LIGHT_FILE_SECONDS or less), LAST_FILES at the very end, and no two files with
+    `alone` tests next to each other (the two workers take neighbouring files at about the same time, and two `alone`
+    tests at once means one waits on the other's lock: 238 s lost at the start of a run, 2026-12-06)."""
+    last = [f for f in LAST_FILES if f in files]
+    files = [f for f in files if f not in last]
     ranked = sorted(files, key=lambda f: (-FILE_SECONDS.get(f, 0), f))
     held = [f for f in ranked if f in WITH_THE_LIGHT_FILES]
     heavy = [f for f in ranked if f in alone and f not in held]
@@ -102,7 +108,7 @@ def file_order(files: list[str], alone: set[str]) -> list[str]:
     cut = next((i for i in range(len(order), 0, -1) if FILE_SECONDS.get(order[i - 1], 0) >= LIGHT_FILE_SECONDS), 0)
     if held and cut and order[cut - 1] in alone and held[0] in alone and cut < len(order):
         cut += 1  # one light file between two `alone` ones
-    return order[:cut] + held + order[cut:]
+    return order[:cut] + held + order[cut:] + last
 
 
 def pytest_collection_modifyitems(config, items):

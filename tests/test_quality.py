@@ -98,8 +98,12 @@ def test_wrong_template_trips_the_canary_early_ends_on_its_verdict_then_report_r
     ("Ray is not initialized") and no "(raylet) ... killed by ray.kill" line trails it (issue 43 item 9)."""
     rows = simple_prompts(400)
     data = yaml.safe_load(Path(DEMO_CONFIG).read_text())
+    # One unit of 64 rows in the engine at a time (the demo's 8 put all 400 rows in flight, so the first shard, which
+    # the canary judges, waited on 128 sequences at once) and completions of at most 256 tokens: the verdict comes
+    # from the prompts (template_mismatch), not from how long the answers ramble.
     data["generate"].update(chat_template=str(Path(__file__).parent / "data" / "llama3_chat_template.jinja"),
-                            rows_per_shard=64)
+                            rows_per_shard=64, units_in_flight_per_engine=1)
+    data["generate"]["sampling"] = {**data["generate"]["sampling"], "max_tokens": 256}
     data["quality"]["canary_rows"] = 16
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))

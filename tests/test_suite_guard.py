@@ -114,9 +114,9 @@ def test_x_stops_the_session_at_the_first_failure_not_after_each_workers_file(tm
 
 
 def test_files_with_alone_tests_are_never_neighbours_where_it_can_be_helped():
-    from conftest import FILE_SECONDS, LIGHT_FILE_SECONDS, WITH_THE_LIGHT_FILES, file_order
+    from conftest import FILE_SECONDS, LAST_FILES, LIGHT_FILE_SECONDS, WITH_THE_LIGHT_FILES, file_order
 
-    files = [*FILE_SECONDS, "test_new_a.py", "test_new_b.py"]
+    files = [*FILE_SECONDS, "test_new_a.py", "test_new_b.py", *LAST_FILES]
     alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train_online.py",
              *WITH_THE_LIGHT_FILES}
     order = file_order(files, alone)
@@ -126,6 +126,7 @@ def test_files_with_alone_tests_are_never_neighbours_where_it_can_be_helped():
     # The held-back files come right after the last file that is not light, and only light ones follow them.
     first_held = order.index(WITH_THE_LIGHT_FILES[0])
     after = order[first_held + len(WITH_THE_LIGHT_FILES):]
+    assert order[-len(LAST_FILES):] == list(LAST_FILES), "the files that change the environment at the very end"
     assert after and all(FILE_SECONDS.get(f, 0) < LIGHT_FILE_SECONDS for f in after), after
     assert FILE_SECONDS.get(order[first_held - 1], 0) >= LIGHT_FILE_SECONDS, order
     assert {"test_new_a.py", "test_new_b.py"} <= set(after), "a file without an entry counts as light"
