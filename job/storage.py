@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -261,34 +260,14 @@ def list_file_entries(uri: str, suffixes: str | tuple[str, ...],
     client = _s3_client(storage)
 
     def _list() -> list[tuple[str, int, float | None, str | None]]:
-        # The folder's own objects with Delimiter "/", each subfolder (hidden_states/_done/ beside the parts) listed
-        # at the same time in a thread of its own: ListObjectsV2 pages one after the other, so one listing of
-        # 20,000 parts and 20,000 markers is 40 requests in a row; two listings side by side take the time of ~20.
-        out: list[tuple[str, int, float | None, str | None]] = []  # appended from several threads (atomic)
-
-        def pages(sub: str, delimiter: bool):
-            kwargs = {"Delimiter": "/"} if delimiter else {}
-            return client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=sub, **kwargs)
-
-        def take(page) -> None:
-            for o in page.get("Contents", []):
-                name = o["Key"][len(prefix):]
-                if name.endswith(suffixes) and not name.rsplit("/", 1)[-1].startswith("."):
-                    mtime = datetime.datetime.fromisoformat(o["LastModified"].replace("Z", "+00:00")).timestamp()
-                    out.append((name, int(o["Size"]), mtime, o["ETag"].strip('"')))
-
-        def whole(sub: str) -> None:
-            for page in pages(sub, delimiter=False):
-                take(page)
-
+        out = []
         try:
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                subfolders = []
-                for page in pages(prefix, delimiter=True):
-                    take(page)
-                    subfolders += [pool.submit(whole, p["Prefix"]) for p in page.get("CommonPrefixes", [])]
-                for done in subfolders:
-                    done.result()
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for o in page.get("Contents", []):
+                    name = o["Key"][len(prefix):]
+                    if name.endswith(suffixes) and not name.rsplit("/", 1)[-1].startswith("."):
+                        mtime = datetime.datetime.fromisoformat(o["LastModified"].replace("Z", "+00:00")).timestamp()
+                        out.append((name, int(o["Size"]), mtime, o["ETag"].strip('"')))
         except Exception as e:  # botocore's errors are not OSErrors: retried like pyarrow's
             raise OSError(f"{type(e).__name__}: {e}") from None
         return sorted(out)

@@ -64,34 +64,3 @@ def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket):
     head = boto3.client("s3", endpoint_url=s3_server).head_object(Bucket=s3_bucket,
                                                                   Key="run/completions/f00000-r0-16.arrow")
     assert head["ContentLength"] == len(data)
-
-
-def test_an_s3_listing_with_subfolders_is_the_local_listing(s3_server, s3_bucket, tmp_path):
-    """`list_file_entries` on S3 lists a folder's own objects and each subfolder side by side (hidden_states/'s parts
-    and _done/ markers: 40 pages in a row at 20,000 shards, ~20 side by side). The answer is the recursive listing
-    a local folder gives, more than a page deep on both sides; a subfolder that cannot be listed fails the listing."""
-    files = {f"part-{i:04d}.arrow": i + 1 for i in range(1003)}  # two pages at the top level (1,000 a page)
-    files.update({f"_done/part-{i:04d}.json": 7 for i in range(1002)})  # two pages in the subfolder
-    files.update({"_done/deeper/x.json": 3, "z/only.arrow": 5, ".tmp-hidden.arrow": 1, "_done/.tmp-y.json": 2})
-    base = f"s3://{s3_bucket}/list-test/hidden_states"
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=s3_server)
-    for name, size in files.items():
-        client.put_object(Bucket=s3_bucket, Key=f"list-test/hidden_states/{name}", Body=b"x" * size)
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"x" * size)
-    for suffixes in ("", (".json",)):
-        local = [(name, size) for name, size, _, _ in storage.list_file_entries(str(tmp_path), suffixes)]
-        remote = storage.list_file_entries(base, suffixes)
-        assert [(name, size) for name, size, _, _ in remote] == local
-        assert all(etag for _, _, _, etag in remote)
-    assert len(local) == 1002 + 1  # the markers and the deeper one; no dot-file
-    # The subfolder's listing failing (every time, here) fails the whole listing: never an answer without it.
-    port = int(s3_server.rsplit(":", 1)[1])
-    with FaultyProxy(port, match="prefix=list-test%2Fhidden_states%2F_done", fail_always=True) as proxy:
-        config = StorageConfig(endpoint_url=proxy.url, num_retries=2, retry_base_s=0.01)
-        with pytest.raises(StorageError, match="list s3://.*hidden_states"):
-            storage.list_file_entries(base, "", config)
-        assert proxy.num_faults >= 2
