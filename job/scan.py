@@ -118,7 +118,7 @@ def read_columns(run_uri: str, columns: list[str] | None = None, storage_config:
     GET in all), the others from the shards."""
     columns = list(columns or SMALL_COLUMNS)
     if shards is None:
-        found = found or trusted_completion_shards(run_uri, storage_config)
+        found = found if found is not None else trusted_completion_shards(run_uri, storage_config)
         uris = [s.uri for s in found.trusted]
         if unreadable is not None:
             unreadable.update(found.problems)

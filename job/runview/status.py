@@ -63,7 +63,7 @@ def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, 
     """Every trusted completion shard of a run (scan.trusted_completion_shards, or `found`: its answer already
     taken) with its counts, sorted by modification time. The untrusted ones are the caller's to name."""
     storage_config = storage_config or StorageConfig()
-    found = found or scan.trusted_completion_shards(run_uri, storage_config)
+    found = found if found is not None else scan.trusted_completion_shards(run_uri, storage_config)
     stats = [ShardStat(shard=s, num_rows=s.stop - s.start) for s in found.trusted]
     if not read_columns:
         return sorted(stats, key=lambda s: (s.mtime, s.name))
@@ -210,7 +210,7 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
     gen = run.get("generate", {})
     total = gen.get("input", {}).get("num_rows")
     rows_per_shard = run.get("config", {}).get("generate", {}).get("rows_per_shard")
-    found = found or scan.trusted_completion_shards(run_uri, storage_config)
+    found = found if found is not None else scan.trusted_completion_shards(run_uri, storage_config)
     shards = scan_completions(run_uri, storage_config, read_columns=read_columns, found=found)
 
     done = _covered_rows(shards)
