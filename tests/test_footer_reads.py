@@ -80,6 +80,9 @@ def test_s3_footer_columns_json_and_refusals(s3_server, s3_bucket):
     whole = ipc.open_file(pa.BufferReader(data)).read_all()
     assert storage.read_shard_columns(f"{uri}/big.arrow", COLUMNS).equals(whole.select(COLUMNS))
     assert storage.read_json(f"{uri}/m.json") == {"a": 1}
+    # A whole object of ~1 MB (pyarrow's input stream would read it in ~256 KB pieces; read_bytes opens it as
+    # a file of known size): every byte, once.
+    assert len(data) > 2 * 256 * 1024 and storage.read_bytes(f"{uri}/big.arrow") == data
     for bad in ("cut.arrow", "empty.arrow"):
         with pytest.raises(pa.ArrowInvalid):
             storage.read_shard_schema(f"{uri}/{bad}")
