@@ -598,10 +598,15 @@ def read_shard_columns(uri: str, columns: list[str], storage: StorageConfig | No
     """Only the named columns (those the file has) of one Arrow IPC file: ranged reads through the footer, so
     token-id lists and features are never fetched when only counts are wanted."""
     def _read() -> pa.Table:
-        f = open_shard_file(uri, storage)  # the footer, and the columns' buffers in as few reads as lie apart
-        names = ipc.open_file(f).schema.names
-        wanted = [names.index(c) for c in columns if c in names]
-        return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
+        # On S3 the footer, and the columns' buffers in as few reads as lie apart (TailFile); a local file is read
+        # by pyarrow itself (through a Python file object each of its reads costs ~0.1 ms: ~2 ms a shard).
+        f = open_shard_file(uri, storage) if is_s3(uri) else pa.OSFile(os.path.abspath(uri))
+        try:
+            names = ipc.open_file(f).schema.names
+            wanted = [names.index(c) for c in columns if c in names]
+            return ipc.open_file(f, options=ipc.IpcReadOptions(included_fields=wanted)).read_all()
+        finally:
+            f.close()
 
     return with_retries(_read, what=f"read {uri}", storage=storage)
 

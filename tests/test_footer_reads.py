@@ -65,6 +65,13 @@ def test_local_footer_columns_and_refusals(tmp_path):
         storage.read_shard_schema(str(tmp_path / "empty.arrow"))
     with pytest.raises(FileNotFoundError):
         storage.read_shard_schema(str(tmp_path / "gone.arrow"))
+    # A local file's columns are read by pyarrow itself: the same refusals as the footer's.
+    (tmp_path / "cut.arrow").write_bytes(data[:-100])
+    for bad in ("cut.arrow", "empty.arrow"):
+        with pytest.raises(pa.ArrowInvalid):
+            storage.read_shard_columns(str(tmp_path / bad), COLUMNS)
+    with pytest.raises(FileNotFoundError):
+        storage.read_shard_columns(str(tmp_path / "gone.arrow"), COLUMNS)
 
 
 def test_s3_footer_columns_json_and_refusals(s3_server, s3_bucket):
