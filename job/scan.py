@@ -310,6 +310,15 @@ class CompletionShards:
         return unreadable_line(self.problems, what_now) if self.problems else None
 
 
+def _listed_beside_cache(list_files, run_uri: str, kind: str, storage_config: StorageConfig | None):
+    """(`list_files()`, the run's trust cache of `kind`): the cache's GET and decoding in a helper thread while the
+    listing's pages come (on S3 a page is a round trip of 0.05-0.4 s in which the listing thread only waits)."""
+    with ThreadPoolExecutor(1) as pool:
+        cached = pool.submit(trust_cache.load, run_uri, kind, storage_config)
+        listed = list_files()
+        return listed, cached.result()
+
+
 def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None = None,
                               num_threads: int = storage.PARALLEL_READS) -> CompletionShards:
     """THE rule of which completion shards of a run can be trusted, for every reader (stage 1's resume, stage 2's
@@ -317,12 +326,8 @@ def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None
     shard's footer read (`check_completion_shard`: zero bytes, no whole Arrow file, not a completion shard's
     columns). What a reader does with the untrusted ones is its own: stage 1 moves them aside and generates their
     rows again, the others leave them out and name them (`CompletionShards.problem_line`)."""
-    # The footers already trusted (one GET and its decoding) fetched while the listing's pages come (on S3 a page is
-    # a round trip of 0.05-0.4 s in which this thread only waits).
-    with ThreadPoolExecutor(1) as pool:
-        cached = pool.submit(trust_cache.load, run_uri, trust_cache.COMPLETIONS, storage_config)
-        listed = list_completion_shards(run_uri, storage_config)
-        cache = cached.result()
+    listed, cache = _listed_beside_cache(lambda: list_completion_shards(run_uri, storage_config), run_uri,
+                                         trust_cache.COMPLETIONS, storage_config)  # cache: footers already trusted
     return CompletionShards(listed=listed, checks=check_completion_shards(listed, storage_config, num_threads, cache),
                             cache=cache)
 
@@ -398,10 +403,8 @@ def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str
     the trust cache holds with its listed size and ETag) and judged by `marker_matches`."""
     hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
     completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    with ThreadPoolExecutor(1) as pool:  # the markers' cache fetched while the listing's pages come
-        cached = pool.submit(trust_cache.load, run_uri, trust_cache.MARKERS, storage_config)
-        entries = storage.list_file_entries(hidden_dir, "", storage_config)
-        cache = cached.result()
+    entries, cache = _listed_beside_cache(lambda: storage.list_file_entries(hidden_dir, "", storage_config), run_uri,
+                                          trust_cache.MARKERS, storage_config)
     files = [(name, size, mtime) for name, size, mtime, _ in entries]
     etags = {name: (size, etag) for name, size, _, etag in entries}
     by_stem: dict[str, list[tuple[str, int | None]]] = {}
