@@ -22,7 +22,7 @@ after its imports, with the S3 requests it made and its peak RSS:
   d. export selection    scan.done_hidden_state_parts (what export, `load` and the notebook read)
   e. notebook opening    run_overview, build_status, generate.report.build_report, notebook.read_rows (the cells
                          up to `rows`)
-  r. stage 1's cache save what a stage 1 on S3 does every ~10 min and at its end (generate/run.py _remember_shards,
+  r. stage 1's cache save what a stage 1 on S3 does every ~10 min and at its end (generate/completions.py remember_shards,
                          under its writer lock): the trust cache of the footers and the rows cache of the small
                          columns (job/rows_cache.py), reading only the shards neither holds; the run's state after a
                          finished stage 1
@@ -94,7 +94,7 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
 
     from job import scan
     from job.generate import report, run_generate
-    from job.hidden_states.run import estimate_storage, plan_units
+    from job.hidden_states.plan import estimate_storage, plan_units
     from job.runview import notebook, status
 
     config = bench_config(run, inp, model)
@@ -133,13 +133,13 @@ def run_step(step: str, run: str, inp: str, model: str) -> dict:
             assert parts, "no done parts"
         elif step == "r":
             from job import layout, stage
-            from job.generate.run import _remember_shards
+            from job.generate.completions import remember_shards
 
-            with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as held:
-                _remember_shards(config, held.fence)
+            with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as fence:
+                remember_shards(config, fence)
         elif step == "e":
             notebook.run_overview(run, config.storage)
-            found = notebook.completion_shards(run, config.storage)  # as the notebook's cells: one listing
+            found = notebook.judge_completion_shards(run, config.storage)  # as the notebook's cells: one listing
             status.build_status(run, config.storage, found=found)
             unreadable: dict[str, str] = {}  # as the notebook's cells: the rows read once, the report built on them
             rows = notebook.read_rows(run, storage_config=config.storage, unreadable=unreadable, found=found)
@@ -180,34 +180,22 @@ def write_input(inp: str, num_shards: int, rows_per_shard: int, storage_config) 
 
 
 def write_run_json(config) -> tuple[list, object]:
-    """run.json as stage 1's first start writes it (job/generate/run.py), then stage 2's section."""
-    import base64
-
-    from job import layout, runs, stage, target
+    """run.json as stage 1's first start writes it (job/generate/preflight.py), then stage 2's section."""
+    from job import layout, run_record, stage, target
     from job.config import resolve_layer_ids
-    from job.generate import inputs
-    from job.generate.engine_start import resolved_sampling
-    from job.hidden_states.run import STAGE, _identity
+    from job.generate import preflight
+    from job.hidden_states import plan
 
-    files = inputs.list_input_files(config.input, config.storage)
-    digests: dict[str, str] = {}
-    carried = inputs.validate_input(files, config.storage, ids_digests=digests)
-    records = inputs.describe_files(files, config.input, digests, inputs.content_digests(files, config.storage))
-    sampling = resolved_sampling(config.model, config.generate.sampling)
-    ident = runs.identity(config, sampling, None, inputs.fingerprint(files))
-    total = sum(f.num_rows for f in files)
-    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as held:
-        runs.write_run_json(config, "generate", {
-            "identity": ident, "input": {"uri": config.input, "format": files[0].format, "num_files": len(files),
-                                         "num_rows": total, "files": records,
-                                         "columns": base64.b64encode(carried.serialize().to_pybytes()).decode()},
-            "sampling": sampling, "status": "complete", "canary_passed": True}, held.fence)
+    run_input = preflight.read_input(config, None)
+    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as fence:
+        run_record.update(config, "generate", fence, identity=run_input.identity, **run_input.recorded(),
+                          status="complete", canary_passed=True)
     shape = target.shape(config.model)
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, shape.num_layers)
-    with stage.writing(config, STAGE, layout.HIDDEN_STATES_DIR, take_lock=False) as held:
-        runs.write_run_json(config, STAGE, {"identity": _identity(config, layer_ids, shape.num_layers),
-                                            "status": "complete"}, held.fence)
-    return files, carried
+    with stage.writing(config, "hidden_states", layout.HIDDEN_STATES_DIR, take_lock=False) as fence:
+        run_record.update(config, "hidden_states", fence, identity=plan.identity(config, layer_ids, shape.num_layers),
+                          status="complete")
+    return run_input.files, run_input.carried
 
 
 def write_shards(config, files, carried, rows_per_shard: int, tokens_per_row: int, num_threads: int = 8) -> None:

@@ -1,5 +1,5 @@
-"""Command line: every subcommand of `python -m job`, defined here. Errors a user can cause end in one `error:`
-line, exit 2.
+"""Command line: every subcommand of `python -m job`, defined here. Errors a user can cause or must act on
+(job/errors.py's JobError) end in one `error:` line, exit 2 (3: the data failed a check).
 
     python -m job generate --config configs/demo.yaml --input PROMPTS --output RUN [--limit N]
     python -m job hidden-states --config configs/demo.yaml --output RUN
@@ -289,21 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     redaction.install()  # everything this process prints or logs from here on passes job/redaction.py
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    from job.generate import CanaryFailed  # per command: --help stays fast
-    from job.generate.engine_start import EngineStartError  # per command: --help stays fast
-    from job.generate.inputs import InputError  # per command: --help stays fast
-    from job.hidden_states import HiddenStateCheckError  # per command: --help stays fast
-    from job.runs import RunError  # per command: --help stays fast
-    from job.storage import StorageError  # per command: --help stays fast
+    from job.errors import JobError, Verdict  # per command: --help stays fast
 
     try:
         return _dispatch(args)
-    except (CanaryFailed, HiddenStateCheckError) as e:
-        print(f"\nerror: {e}", file=sys.stderr, flush=True)
-        return 3
-    except (ConfigError, InputError, RunError, StorageError, EngineStartError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except JobError as e:  # any stage, any actor: one form (job/errors.py); a verdict after a blank line
+        print(f"{chr(10) if isinstance(e, Verdict) else ''}error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
 
 
 def _dispatch(args) -> int:

@@ -5,8 +5,8 @@
   (unless `storage.shared_filesystem` says every node mounts it). The model is a node-local path by design
   (cluster.yaml stages it on every node's NVMe): each engine checks its own node's copy and names the node when
   it is missing or incomplete.
-- Engines come and go with nodes: `engine_census` counts this job's engine actors from Ray's actor table (alive,
-  on how many nodes, lost with their node or process, replaced) for the progress line.
+- Engines come and go with nodes: `StageCensus` counts a stage's engine actors as they report themselves (alive, on
+  how many nodes, lost with their node or process, replaced) for the progress line.
 """
 
 from __future__ import annotations
@@ -101,52 +101,62 @@ class EngineCensus:
     replaced: int = 0
 
 
-def stage_actors(since_s: float = 0.0) -> list[dict]:
-    """This job's Ray Data map actors (engines, extractors) created after `since_s` (time.time()), as GCS records."""
+class CensusBook:
+    """The Ray actor (created by `StageCensus`, no CPU) that a stage's actors report to when they have started."""
+
+    def __init__(self):
+        self.arrivals: list[tuple[str, str, bool]] = []
+
+    def arrive(self, actor_id: str, node_id: str, restarted: bool) -> None:
+        self.arrivals.append((actor_id, node_id, restarted))
+
+    def read(self) -> list[tuple[str, str, bool]]:
+        return list(self.arrivals)
+
+
+class StageCensus:
+    """This stage's engine (or extractor) actors, counted from what they report, through public Ray APIs only: each
+    actor, once started, tells the census its actor id, its node and whether Ray restarted it
+    (`report_arrival`); the census asks Ray which nodes are alive. An actor restarted after its process or node
+    died reports again (`restarted`): one engine lost, one replaced. An actor whose node died and that has not
+    reported again is lost and not (yet) replaced. Another stage's or another dataset's actors never report here.
+    Called with no argument it gives an `EngineCensus` (Progress's `engines_fn`); None when it cannot be read."""
+
+    def __init__(self):
+        import ray  # heavy: imported on use
+
+        self.book = ray.remote(num_cpus=0, max_restarts=0)(CensusBook).remote()
+
+    def __call__(self) -> EngineCensus | None:
+        import ray  # heavy: imported on use
+
+        try:
+            arrivals = ray.get(self.book.read.remote(), timeout=10)
+        except Exception:  # Ray going down, or the book gone with the stage
+            return None
+        live = {n["NodeID"] for n in alive_nodes()}
+        latest: dict[str, str] = {}
+        for actor_id, node_id, _ in arrivals:
+            latest[actor_id] = node_id
+        restarts = sum(1 for _, _, restarted in arrivals if restarted)
+        alive = [a for a, node in latest.items() if node in live]
+        return EngineCensus(alive=len(alive), nodes=len({latest[a] for a in alive}),
+                            lost=restarts + len(latest) - len(alive), replaced=restarts)
+
+    def close(self) -> None:
+        import ray  # heavy: imported on use
+
+        try:
+            ray.kill(self.book)
+        except Exception:  # gone with Ray already
+            pass
+
+
+def report_arrival(book) -> None:
+    """In a stage's actor, once it has started: tell the stage's census (`StageCensus.book`; None: no census)."""
+    if book is None:
+        return
     import ray  # heavy: imported on use
-    from ray._private import state  # heavy: imported on use
 
-    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    return [a for a in state.actors(job_id=job_id).values() if "MapWorker" in a.get("ActorClassName", "")
-            and (a.get("StartTime") or a.get("Timestamp") or 0) / 1000 >= since_s - 1]
-
-
-def kill_stage_actors(since_s: float) -> int:
-    """Kill this job's map actors created after `since_s` that are still alive; returns how many. For a failed stage:
-    Ray Data lets go of its actors only when its executor is collected, which a failed dataset's is not (measured:
-    an engine actor still ALIVE 40 s after the error), so a driver that lives on (a notebook, a test session) would
-    keep the engine and its memory (a GPU on a cluster). By actor id: Ray Data holds the handles; `ray.kill` does
-    the same through a handle."""
-    import ray  # heavy: imported on use
-    from ray._private import worker  # heavy: imported on use
-
-    killed = 0
-    for a in stage_actors(since_s):
-        if a.get("State") in ("ALIVE", "PENDING_CREATION", "RESTARTING", "DEPENDENCIES_UNREADY"):
-            try:
-                worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(a["ActorID"]), True)
-                killed += 1
-            except Exception:  # gone meanwhile
-                pass
-    return killed
-
-
-def engine_census(since_s: float = 0.0) -> EngineCensus | None:
-    """Counted from the GCS actor table (no dashboard needed). None outside Ray. An actor is ALIVE once its
-    __init__ (the engine load) returned; RESTARTING after its process or node died, until Ray starts it again.
-    `since_s`: only actors created after this time (time.time()), i.e. this stage's, not an earlier stage's of the
-    same driver."""
-    import ray  # heavy: imported on use
-
-    if not ray.is_initialized():
-        return None
-    actors = stage_actors(since_s)
-    alive = [a for a in actors if a.get("State") == "ALIVE"]
-    restarts = sum(int(a.get("NumRestarts") or 0) for a in actors)
-    # A DEAD actor was either let go by Ray Data (scale-down, end of the stage: "references ... removed") or died
-    # past its max_restarts (stage 2): only the latter is a lost engine that nothing replaced.
-    dead_for_good = sum(1 for a in actors if a.get("State") == "DEAD"
-                        and "all references to the actor were removed" not in str(a.get("DeathCause", "")))
-    restarting = sum(1 for a in actors if a.get("State") == "RESTARTING")
-    return EngineCensus(alive=len(alive), nodes=len({(a.get("Address") or {}).get("NodeID") for a in alive}),
-                        lost=restarts + dead_for_good, replaced=max(0, restarts - restarting))
+    ctx = ray.get_runtime_context()
+    book.arrive.remote(ctx.get_actor_id(), ctx.get_node_id(), ctx.was_current_actor_reconstructed)

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from job.drafters import EVERY_TRAINER, every_trainer_layers
+from job.errors import JobError
 from job.schema import FP8
 from job.storage import StorageConfig
 
@@ -26,7 +27,7 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 """The config every run command reads unless given --config (relative to the working directory)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(JobError, ValueError):
     """A config the user must fix; the CLI prints its message without a traceback."""
 
 

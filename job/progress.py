@@ -28,7 +28,6 @@ from collections import deque
 from collections.abc import Callable
 
 from job import schema
-from job.cluster import engine_census
 from job.formatting import format_duration as fmt_duration
 
 # Short names for the quality flags in the progress line.
@@ -56,7 +55,7 @@ class Progress:
         num_engines: engines the stage asked for, shown as `alive/asked` when given.
         max_engines: the pool's maximum when it may grow (nodes joining), shown as `alive/asked-max`.
         engines_fn: returns the engines now, an int (alive) or a cluster.EngineCensus (alive, nodes, lost,
-        replaced); default asks Ray's GCS for this job's map actors.
+        replaced), or None (not known: the line leaves engines out); the stages pass their cluster.StageCensus.
         """
         self.total_rows = total_rows
         self.tokens_key = tokens_key
@@ -68,8 +67,7 @@ class Progress:
         self.window_s = window_s
         self.num_engines = num_engines
         self.max_engines = max_engines
-        started_at = time.time()  # the stage's own engines, not an earlier stage's of this driver
-        self.engines_fn = engines_fn if engines_fn is not None else lambda: engine_census(started_at)
+        self.engines_fn = engines_fn if engines_fn is not None else lambda: None
         self.started = time.monotonic()
         self.window_start: float | None = None  # when the first unit began work (engine start-up excluded)
         self.last_print = float("-inf")

@@ -121,6 +121,6 @@ def load(run_uri: str, storage_config: StorageConfig | None = None) -> Rows:
         return Rows()
 
 
-def save(run_uri: str, rows: Rows, storage_config: StorageConfig | None, fence) -> None:
+def save(run_uri: str, rows: Rows, fence) -> None:
     """Write the cache (atomically, under `fence`: only stage 1 calls this)."""
-    storage.write_bytes_atomic(uri_of(run_uri), encode(rows), storage_config, fence.guard)
+    fence.write_bytes(uri_of(run_uri), encode(rows))

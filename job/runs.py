@@ -1,33 +1,22 @@
-"""The run directory: run.json (resolved config, versions, git sha, input identity) and its drift check. (The
-writer lock that keeps two jobs from writing one output at the same time is job/lock.py.)
-
-run.json holds no credentials: S3 credentials come from the environment or the instance profile, and everything
-written to run.json passes job/redaction.py's `redact` first (by key name at any depth, and by value: URL
-credentials, signed-URL parameters, `key=value` secrets inside strings, well-known token shapes). Reports and the
-notebook read run.json, so they never see them either.
+"""What a run is made of and may not change: its provenance (package versions, git sha), stage 1's identity (model,
+sampling, template, input) and the drift check every stage applies on resume. (run.json itself, read and written:
+job/run_record.py; the writer lock that keeps two jobs from writing one output at once: job/lock.py.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import subprocess
-import time
 from importlib import metadata
 
-from job import conditional, layout, storage
-from job.config import RunConfig, to_dict
+from job.config import RunConfig
+from job.errors import JobError
 from job.redaction import redact
 
 
-class RunError(ValueError):
+class RunError(JobError, ValueError):
     """The run directory refuses this job (drift, a concurrent writer); the message says what to do."""
-
-
-def run_json_uri(output: str) -> str:
-    return storage.join(output, layout.RUN_JSON)
 
 
 def package_versions() -> dict[str, str]:
@@ -116,45 +105,3 @@ def check_drift(previous: dict, current: dict, allow_drift: bool, consequence: s
         raise RunError(f"this output already holds a run made with different settings ({lines}). Resuming would "
                        f"{consequence}. Use a new --output, restore the settings, or pass --allow-drift.")
     return changed
-
-
-def write_run_json(config: RunConfig, stage_key: str, stage_info: dict, fence=None) -> None:
-    """Merge `stage_info` into run.json's `stage_key` section. Two stages may run at once (each has its own writer
-    lock), so the update is a read-modify-write made conditional on run.json being unchanged since the read (S3
-    If-Match; locally under a flock), retried on a conflict. `fence` (the stage's job/lock.py Fence): the write
-    happens only while this job still holds its stage's lock."""
-    uri = run_json_uri(config.output)
-    store = conditional.conditional_object(uri, config.storage)
-    provenance = {"config": to_dict(config), "versions": package_versions(), "git_sha": git_sha()}
-    guard = fence.guard if fence is not None else contextlib.nullcontext
-    for _ in range(20):
-        try:
-            data, etag, _ = store.read()
-        except FileNotFoundError:
-            data, etag = {}, None
-        info = dict(stage_info)
-        if stage_key == "generate" or "config" not in data:
-            data.update(provenance)  # the run's own: stage 1's config (rows per shard, sampling, input)
-        else:  # a later stage keeps stage 1's provenance and records its own beside it
-            info["provenance"] = provenance
-        data.setdefault("created_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        data[stage_key] = {**data.get(stage_key, {}), **info}
-        body = json.dumps(redact(data), indent=2, sort_keys=True, default=str).encode() + b"\n"
-        try:
-            with guard():
-                if etag is None:
-                    store.create(body)
-                else:
-                    store.replace(body, etag)
-            return
-        except conditional.Conflict:  # the other stage wrote in between: read again and merge again
-            time.sleep(0.05)
-    raise RunError(f"{uri}: could not update it (it kept changing under this job)")
-
-
-def read_run_json(output: str, storage_config) -> dict | None:
-    """The run's run.json, or None. Every command reads it first: a run location that cannot work at all (a host
-    that does not resolve, a bucket that does not exist) is refused here, at once, in one line."""
-    storage.check_reachable(output, storage_config)
-    uri = run_json_uri(output)
-    return storage.read_json(uri, storage_config) if storage.exists(uri, storage_config) else None

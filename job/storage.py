@@ -34,10 +34,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
+from job.errors import JobError
 from job.layout import SHARD_SUFFIX
 
 
-class StorageError(RuntimeError):
+class StorageError(JobError, RuntimeError):
     """A storage failure that persisted through retries (or one a user must fix: bad path, missing bucket)."""
 
 

@@ -228,7 +228,7 @@ def train_online(config: RunConfig, options: OnlineOptions):
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
-    from job import stage
+    from job import pipeline
     from job.export.manifest import manifest_fields
     from job.export.stream import stream, trainer_plan
     from job.trainers import speculators
@@ -239,7 +239,7 @@ def train_online(config: RunConfig, options: OnlineOptions):
     if options.gpus_per_worker and not config.hidden_states.num_workers:
         raise ConfigError("train-online: set hidden_states.num_workers to the GPUs that extract: by default stage 2 "
                           "takes every GPU in the cluster and the training workers would wait for one forever")
-    if stage.ensure_ray(config):  # a local Ray of our own: its CPUs are all there will be
+    if pipeline.ensure_ray(config):  # a local Ray of our own: its CPUs are all there will be
         import ray  # heavy: imported on use
 
         cpus = ray.cluster_resources().get("CPU", 0)

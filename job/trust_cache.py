@@ -100,11 +100,11 @@ def load(run_uri: str, kind: str, storage_config: StorageConfig | None = None) -
         return Entries()
 
 
-def save(run_uri: str, kind: str, entries: Entries, storage_config: StorageConfig | None, fence) -> bool:
+def save(run_uri: str, kind: str, entries: Entries, fence) -> bool:
     """Write the cache of `kind` (atomically, under `fence`: only its kind's writer calls this) when it changed.
     Returns whether it wrote."""
     if not entries.changed or not storage.is_s3(run_uri):
         return False
-    storage.write_bytes_atomic(uri_of(run_uri, kind), encode(kind, entries), storage_config, fence.guard)
+    fence.write_bytes(uri_of(run_uri, kind), encode(kind, entries))
     entries.changed = False
     return True

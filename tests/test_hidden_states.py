@@ -173,7 +173,7 @@ def test_features_equal_transformers_output_hidden_states_for_every_layer(float3
 
 def test_shards_are_mmapped_zero_copy_with_metadata(float32_run, model_dir):
     run, _, summary = float32_run
-    uri = summary.shards[0]
+    uri = summary.files[0]
     table = storage.read_shard(uri, memory_map=True)
     meta = table.schema.metadata
     assert json.loads(meta[schema.META_LAYER_IDS]) == [0, 1, 3]
@@ -318,8 +318,10 @@ def test_stage2_over_an_unfinished_stage1_says_so_and_picks_up_the_rest_later(de
                                                                               capsys):
     """Stage 1 still running (its run.json says so, one shard not yet written): stage 2 does the committed shards,
     says that it is partial (not "complete"), and a later rerun does only the shard added since."""
-    from job.runs import read_run_json
     from job.runview import status
+
+    def read_run_json(run, _):
+        return storage.read_json(storage.join(run, layout.RUN_JSON))
 
     run = str(tmp_path)
     rows = completion_rows(vocab_size, seed=3)
@@ -369,7 +371,7 @@ def test_s3_output_round_trips(dense_dir, vocab_size, s3_bucket):
     config.env_vars = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                   "AWS_REGION")}
     summary = run_hidden_states(config)
-    assert summary.shards and all(u.startswith(f"{run}/hidden_states/") for u in summary.shards)
+    assert summary.files and all(u.startswith(f"{run}/hidden_states/") for u in summary.files)
     assert sorted(r["id"] for r in load(run)) == sorted(kept(rows))
 
 

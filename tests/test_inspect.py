@@ -108,7 +108,7 @@ def test_shared_run_end_to_end_on_s3_with_faults_bad_rows_limit_and_rerun(shared
     from job import rows_cache, scan
 
     cached = rows_cache.load(run.s3)
-    assert sorted(cached.index) == [s.name for s in scan.trusted_completion_shards(run.s3).trusted]
+    assert sorted(cached.index) == [s.name for s in scan.judge_completion_shards(run.s3).trusted]
     assert scan.read_columns(run.s3).equals(scan.read_columns(run.full))
 
 
@@ -200,7 +200,7 @@ def test_read_rows_equals_full_read(run_dir, rows, table):
     assert rows.column_names == [*ji.ROW_COLUMNS, ji.SHARD]
     for name in ji.ROW_COLUMNS:
         assert rows.column(name).to_pylist() == table.column(name).to_pylist(), name
-    shards = scan.completion_shards(run_dir)
+    shards = scan.trusted_completion_uris(run_dir)
     assert [uri.rsplit("/", 1)[-1] for uri in shards] == completion_shard_files(run_dir)
     assert len(shards) >= 3 and set(rows.column(ji.SHARD).to_pylist()) == set(shards)
     for row_id, uri in zip(rows.column(schema.ID).to_pylist()[::7], rows.column(ji.SHARD).to_pylist()[::7]):
@@ -223,7 +223,7 @@ def test_run_without_shards_yet(stage1_dir, tmp_path):
 
 def test_the_notebook_reader_names_a_truncated_shard_and_shows_the_rest(run_dir, table, tmp_path, capsys):
     """Issue 43 item 10: one completion shard cut in half (a copy interrupted, a full disk). The notebook's reader
-    used to stop with `ArrowInvalid: Not an Arrow file`; it takes its shards from scan.trusted_completion_shards, as
+    used to stop with `ArrowInvalid: Not an Arrow file`; it takes its shards from scan.judge_completion_shards, as
     `status`, `report` and both stages do: the damaged shard is named in one line (the same one `status` names), and
     every other row is shown, its hidden-state views included."""
     from job.runview import status

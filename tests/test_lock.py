@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from job import layout, lock, runs, storage
+from job import layout, lock, run_record, storage
 from job.config import RunConfig, StorageConfig
 from job.lock import FencedOut, LockError, WriterLock
 
@@ -119,24 +119,34 @@ def _interrupted_holder(output):
 
 
 def test_a_writer_whose_lock_was_taken_commits_nothing(output):
-    """Fencing: every commit (a shard, a marker, run.json) goes through the holder's fence; after a take-over the old
-    holder's commits are refused and leave no file, the new holder's go through."""
+    """Fencing: every write, delete and move of a stage (a shard, a marker, run.json, a cache) goes through the holder's
+    fence; after a take-over the old holder's are refused and change nothing, the new holder's go through."""
     first = WriterLock(output, "generate").__enter__()
     target = storage.join(output.output, "completions", "f00000-r0000000000-0000000004.arrow")
-    storage.write_bytes_atomic(target, b"first", output.storage, first.fence.guard)  # current: committed
+    other = storage.join(output.output, "completions", "f00000-r0000000004-0000000008.arrow")
+    first.fence.write_bytes(target, b"first")  # current: committed
+    first.fence.write_json(other, {"kept": True})
     second = WriterLock(output, "generate", take_over=True).__enter__()
     assert second.epoch == first.epoch + 1
+    stale = first.fence
     with pytest.raises(FencedOut, match="another job took over.*commits nothing more"):
-        storage.write_bytes_atomic(target, b"stale", output.storage, first.fence.guard)
-    with pytest.raises(FencedOut):
-        runs.write_run_json(output, "generate", {"status": "running"}, first.fence)
+        stale.write_bytes(target, b"stale")
+    for refused in (lambda: stale.delete(target), lambda: stale.move(other, target + ".moved"),
+                    lambda: stale.write_json(other, {"kept": False}),
+                    lambda: run_record.update(output, "generate", stale, status="running")):
+        with pytest.raises(FencedOut):
+            refused()
     assert storage.read_bytes(target, output.storage) == b"first"
-    assert not storage.exists(runs.run_json_uri(output.output), output.storage)
+    assert storage.read_json(other, output.storage) == {"kept": True}
+    assert not storage.exists(target + ".moved", output.storage)
+    assert not storage.exists(run_record.run_json_uri(output.output), output.storage)
     if not storage.is_s3(output.output):  # the refused commit's temp file is gone too
         assert [n for n in os.listdir(os.path.dirname(target)) if n.startswith(".")] == []
-    storage.write_bytes_atomic(target, b"second", output.storage, second.fence.guard)
-    runs.write_run_json(output, "generate", {"status": "running"}, second.fence)
+    second.fence.write_bytes(target, b"second")
+    run_record.update(output, "generate", second.fence, status="running")
     assert storage.read_bytes(target, output.storage) == b"second"
+    second.fence.delete(other)
+    assert not storage.exists(other, output.storage)
     first.renew()
     with pytest.raises(LockError):
         first.__exit__(None, None, None)
@@ -157,21 +167,28 @@ def test_the_epoch_only_grows_and_each_stage_has_its_own_lock(output):
 
 
 def test_run_json_keeps_both_stages_updates_when_they_write_at_once(output):
+    """Two stages update run.json at once, each field in its own write: none is lost (a lost update would put a field
+    back to its default)."""
     barrier = threading.Barrier(2)
+    writes = {"generate": {"status": "running", "error": "e", "canary_passed": True, "num_engines": 3,
+                           "output_tokens_per_s": 1.5, "sampling": {"t": 1}, "max_num_seqs": {"cpu": 8},
+                           "max_num_seqs_auto": {"cpu": {}}, "identity": {"seed": 1}},
+              "hidden_states": {"status": "partial", "error": "f", "estimate": {"n": 1}, "identity": {"dtype": "x"}}}
 
     def write(stage_key):
-        barrier.wait()
-        for i in range(10):
-            runs.write_run_json(output, stage_key, {f"n{i}": i})
+        with WriterLock(output, stage_key) as held:
+            barrier.wait()
+            for name, value in writes[stage_key].items():
+                run_record.update(output, stage_key, held.fence, **{name: value})
 
-    threads = [threading.Thread(target=write, args=(k,)) for k in ("generate", "hidden_states")]
+    threads = [threading.Thread(target=write, args=(k,)) for k in writes]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    data = storage.read_json(runs.run_json_uri(output.output), output.storage)
-    for key in ("generate", "hidden_states"):
-        assert {f"n{i}" for i in range(10)} <= set(data[key]), data[key]
+    record = run_record.read(output.output, output.storage)
+    for key, fields in writes.items():
+        assert {name: getattr(record.stages[key], name) for name in fields} == fields, key
 
 
 def _fake_lock(output, **holder):

@@ -1,7 +1,7 @@
 """The pure rules of a run's state, each tested at its corners in milliseconds (no Ray, no engine, no model): row
 ranges (job/rowranges.py) and stage 1's resume arithmetic over them (job/generate/units.py), stage-2 names
 (job/layout.py), the done rules of stage 2 (job/scan.py: `marker_matches`, `Stage2Markers.covered`, `done_parts`),
-which completion shards can be trusted (`trusted_completion_shards`, over real Arrow files written to tmp), a
+which completion shards can be trusted (`judge_completion_shards`, over real Arrow files written to tmp), a
 hidden-state part's metadata, and the one "not a run directory" refusal."""
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_trusted_completion_shards_names_each_damage_and_keeps_the_rest(tmp_path
     storage.write_shard(str(wrong), pa.table({"x": [1]}))
     (directory / "notes.arrow").write_bytes(b"not ours")  # not a shard's name: not listed at all
 
-    found = scan.trusted_completion_shards(run)
+    found = scan.judge_completion_shards(run)
     assert [s.name for s in found.listed] == [p.name for p in (whole, cut, empty, wrong)]
     assert [s.name for s in found.trusted] == [whole.name]
     assert set(found.problems) == {cut.name, empty.name, wrong.name}
@@ -181,11 +181,11 @@ def test_trusted_completion_shards_names_each_damage_and_keeps_the_rest(tmp_path
     assert "no column" in found.problems[wrong.name]
     line = found.problem_line("left out")
     assert line.startswith("3 completion shard(s) cannot be read whole") and line.endswith(": left out")
-    assert scan.completion_shards(run) == [str(whole)]
+    assert scan.trusted_completion_uris(run) == [str(whole)]
     unreadable: dict[str, str] = {}
     assert scan.read_columns(run, [schema.ID], unreadable=unreadable).num_rows == 4
     assert unreadable == found.problems
-    assert scan.trusted_completion_shards(str(tmp_path / "nothing")).problem_line("x") is None
+    assert scan.judge_completion_shards(str(tmp_path / "nothing")).problem_line("x") is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 from conftest import DEMO_CONFIG
 
-from job import runs, storage
+from job import run_record, runs, storage
 from job.config import load_config
+from job.lock import WriterLock
 from job.redaction import REDACTED
+from job.runs import RunError
 
 
 def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
@@ -22,15 +24,17 @@ def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
         "generate.chat_template_kwargs": {"openai": {"apiKey": secrets[4]}},
     })
     ident = runs.identity(config, {"max_tokens": 64}, None, "f" * 16)
-    runs.write_run_json(config, "generate", {"identity": ident, "status": "running"})
+    with WriterLock(config, "generate") as held:
+        run_record.update(config, "generate", held.fence, identity=ident, status="running")
     stage2 = load_config(DEMO_CONFIG, output=str(tmp_path / "run"), model="other-model",
                          **{"hidden_states.engine_kwargs": {"hf_token": secrets[1]}})
-    runs.write_run_json(stage2, "hidden_states", {"status": "complete"})
+    with WriterLock(stage2, "hidden_states") as held:
+        run_record.update(stage2, "hidden_states", held.fence, status="complete")
 
     text = "".join(p.read_text() for p in Path(tmp_path / "run").rglob("*") if p.is_file())
     for s in secrets:
         assert s not in text, s
-    run = runs.read_run_json(config.output, config.storage)
+    run = storage.read_json(run_record.run_json_uri(config.output))
     assert run["config"]["engine_kwargs"] == {"hf_token": REDACTED, "max_num_batched_tokens": 4096}
     assert run["config"]["input"].endswith(f"X-Amz-Date=20260101T000000Z&X-Amz-Signature={REDACTED}")
     assert run["config"]["env_vars"] == {"HF_TOKEN": REDACTED, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -40,7 +44,9 @@ def test_run_json_never_holds_secrets_and_keeps_stage1_provenance(tmp_path):
     # The identity is stored redacted and compared redacted: resuming the same config is no drift.
     runs.check_drift(run["generate"]["identity"], runs.identity(config, {"max_tokens": 64}, None, "f" * 16),
                      allow_drift=False)
-    assert storage.exists(runs.run_json_uri(config.output))
+    record = run_record.read(config.output, config.storage)
+    assert record.status("generate") == "running"
+    assert record.hidden_states.provenance["config"]["model"] == "other-model"
 
 
 def test_identity_covers_the_model_files_output_engine_arguments_and_vllm(tmp_path, tiny_model_dir):
@@ -65,3 +71,26 @@ def test_identity_covers_the_model_files_output_engine_arguments_and_vllm(tmp_pa
     with pytest.raises(runs.RunError, match="model_files"):
         runs.check_drift(ident, runs.identity(base, {"max_tokens": 8}, None, "f"), allow_drift=False)
     assert runs.check_drift({**ident, "vllm": "0.1.0"}, ident, allow_drift=True) == {"vllm": ("0.1.0", ident["vllm"])}
+
+
+def test_run_record_reads_older_and_newer_files_and_refuses_a_wrong_type():
+    """run.json typed (job/run_record.py): a file from before a field existed reads with its default; a field or a
+    stage this version does not know is kept and written back as it was; a field of the wrong type is refused in one
+    line naming it."""
+    older = {"config": {"model": "m", "generate": {"rows_per_shard": 8}}, "created_at": "2026-01-01T00:00:00Z",
+             "generate": {"status": "running", "identity": {"seed": 0}, "input": {"num_rows": 10}},
+             "a_newer_top_level_field": [1]}
+    record = run_record.RunRecord.from_dict(older)
+    assert (record.rows_total, record.status("generate"), record.generate.canary_passed) == (10, "running", False)
+    assert record.status("hidden_states") is None and record.hidden_states is None
+    assert record.setting("generate.rows_per_shard") == 8 and record.setting("generate.nope", 3) == 3
+    newer = {**older, "generate": {**older["generate"], "a_newer_field": {"x": 1}},
+             "train": {"status": "complete", "steps": 12}}
+    again = run_record.RunRecord.from_dict(newer).to_dict()
+    assert again["generate"]["a_newer_field"] == {"x": 1} and again["train"] == {**newer["train"],
+                                                                                 **again["train"]}
+    assert again["a_newer_top_level_field"] == [1] and again["train"]["steps"] == 12
+    for bad, name in (({"generate": {"status": 3}}, "status"), ({"generate": {"input": {"num_rows": "ten"}}},
+                                                               "num_rows"), ({"config": []}, "config")):
+        with pytest.raises(RunError, match=f"{name} is .*not a"):
+            run_record.RunRecord.from_dict(bad)

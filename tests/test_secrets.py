@@ -189,20 +189,22 @@ def test_no_help_text_is_redacted():
 
 
 def test_run_json_keeps_the_runs_own_figures(tmp_path):
-    """run.json as job/runs.py writes it, for the demo's and the production config with stage 2's storage estimate
+    """run.json as job/run_record.py writes it, for the demo's and the production config with stage 2's storage estimate
     (job/hidden_states/run.py estimate_storage's keys): not one `<redacted>` when no secret was given."""
     import json
 
+    from job import run_record
     from job.config import load_config
-    from job.runs import read_run_json, write_run_json
+    from job.lock import WriterLock
 
     estimate = {"bytes_per_token": 1544, "feature_bytes_per_token": 1536, "num_layers": 3, "layer_ids": [0, 1, 3],
                 "hidden_size": 256, "dtype": "bfloat16", "num_samples": 31, "num_tokens": 9000,
                 "total_bytes": 9000 * 1544, "num_tokens_pending": 0, "pending_bytes": 0}
     for config_path in (DEMO_CONFIG, str(REPO / "configs" / "qwen3.6-27b.yaml")):
         config = load_config(config_path, output=str(tmp_path / "run"))
-        write_run_json(config, "hidden_states", {"estimate": estimate})
-        run = read_run_json(config.output, config.storage)
+        with WriterLock(config, "hidden_states") as held:
+            run_record.update(config, "hidden_states", held.fence, estimate=estimate)
+        run = run_record.read(config.output, config.storage).to_dict()
         assert REDACTED not in json.dumps(run), [line for line in json.dumps(run, indent=1).splitlines()
                                                  if REDACTED in line]
         assert run["hidden_states"]["estimate"] == estimate

@@ -104,14 +104,14 @@ def test_a_trusted_footer_is_not_read_again_and_a_changed_one_is(s3_server, s3_b
     ids = {n: _shard(storage.join(completions, n))[1] for n in names}
     config = RunConfig(model="unused", output=run)
 
-    found = scan.trusted_completion_shards(run)  # a reader: reads every footer, writes nothing
+    found = scan.judge_completion_shards(run)  # a reader: reads every footer, writes nothing
     assert sorted(footer_reads) == names and not storage.exists(trust_cache.uri_of(run, trust_cache.COMPLETIONS))
-    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as held:  # stage 1 saves it
-        assert scan.remember_completion_shards(run, found, None, held.fence)
-        assert not scan.remember_completion_shards(run, found, None, held.fence), "nothing new: nothing written"
+    with stage.writing(config, "generate", layout.COMPLETIONS_DIR, take_lock=False) as fence:  # stage 1 saves it
+        assert scan.remember_completion_shards(run, found, fence)
+        assert not scan.remember_completion_shards(run, found, fence), "nothing new: nothing written"
 
     footer_reads.clear()
-    again = scan.trusted_completion_shards(run)
+    again = scan.judge_completion_shards(run)
     assert footer_reads == [], "every footer came from the cache"
     assert {n: c.shard_id for n, c in again.checks.items()} == ids
     assert all(c.counts["rows"] == 8 for c in again.checks.values())
@@ -123,7 +123,7 @@ def test_a_trusted_footer_is_not_read_again_and_a_changed_one_is(s3_server, s3_b
     storage.write_bytes_atomic(storage.join(completions, names[2]), data[:-40])
     storage.write_bytes_atomic(storage.join(completions, names[3]), b"")
     footer_reads.clear()
-    after = scan.trusted_completion_shards(run)
+    after = scan.judge_completion_shards(run)
     assert sorted(footer_reads) == names[1:], "only the changed shards are read"
     assert after.checks[names[0]].shard_id == ids[names[0]] and after.checks[names[1]].shard_id == new_id
     assert set(after.problems) == {names[2], names[3]}, "a damaged shard is caught although it had an entry"
@@ -137,23 +137,23 @@ def test_a_damaged_cache_file_means_every_footer_is_read(s3_server, s3_bucket, f
     for n in names:
         _shard(storage.join(run, layout.COMPLETIONS_DIR, n))
     with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
-                       take_lock=False) as held:
-        scan.remember_completion_shards(run, scan.trusted_completion_shards(run), None, held.fence)
+                       take_lock=False) as fence:
+        scan.remember_completion_shards(run, scan.judge_completion_shards(run), fence)
     cache_uri = trust_cache.uri_of(run, trust_cache.COMPLETIONS)
     storage.write_bytes_atomic(cache_uri, storage.read_bytes(cache_uri)[:-5])
     footer_reads.clear()
-    assert len(scan.trusted_completion_shards(run).trusted) == 2 and sorted(footer_reads) == names
+    assert len(scan.judge_completion_shards(run).trusted) == 2 and sorted(footer_reads) == names
 
 
 def test_a_local_run_has_no_cache(tmp_path, footer_reads):
     run = str(tmp_path / "run")
     _shard(storage.join(run, layout.COMPLETIONS_DIR, layout.completion_shard_name(0, 0, 8)))
-    found = scan.trusted_completion_shards(run)
+    found = scan.judge_completion_shards(run)
     with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
-                       take_lock=False) as held:
-        assert not scan.remember_completion_shards(run, found, None, held.fence)
+                       take_lock=False) as fence:
+        assert not scan.remember_completion_shards(run, found, fence)
     footer_reads.clear()
-    scan.trusted_completion_shards(run)
+    scan.judge_completion_shards(run)
     assert len(footer_reads) == 1 and not (tmp_path / "run" / layout.CACHE_DIR).exists()
 
 
@@ -175,12 +175,12 @@ def test_markers_come_from_the_cache_until_one_is_rewritten(s3_server, s3_bucket
     real = storage.read_json
     monkeypatch.setattr(storage, "read_json", lambda uri, cfg=None: reads.append(uri) or real(uri, cfg))
 
-    found = scan.trusted_completion_shards(run)
+    found = scan.judge_completion_shards(run)
     judged = scan.stage2_markers(run, found.listed, found.checks)
     assert set(judged.matching) == set(names) and len(reads) == 2
     with stage.writing(RunConfig(model="unused", output=run), "hidden_states", layout.HIDDEN_STATES_DIR,
-                       take_lock=False) as held:
-        assert scan.remember_markers(run, judged, None, held.fence)
+                       take_lock=False) as fence:
+        assert scan.remember_markers(run, judged, fence)
     reads.clear()
     assert set(scan.stage2_markers(run, found.listed, found.checks).matching) == set(names) and reads == []
 
@@ -235,13 +235,13 @@ def test_the_rows_cache_serves_every_unchanged_shard_and_reads_the_changed_ones(
     direct = scan.read_columns(run, shards=[storage.join(completions, n) for n in names])  # never the cache
     assert len(reads) == 4 and not storage.exists(rows_cache.uri_of(run)), "readers write no cache"
 
-    found = scan.trusted_completion_shards(run)
+    found = scan.judge_completion_shards(run)
     with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
-                       take_lock=False) as held:  # stage 1 saves it
+                       take_lock=False) as fence:  # stage 1 saves it
         reads.clear()
-        assert scan.remember_small_columns(run, found, None, held.fence) == 4 and len(reads) == 4
+        assert scan.remember_small_columns(run, found, fence) == 4 and len(reads) == 4
         reads.clear()
-        assert scan.remember_small_columns(run, found, None, held.fence) is None and reads == [], "nothing new"
+        assert scan.remember_small_columns(run, found, fence) is None and reads == [], "nothing new"
     reads.clear()
     assert scan.read_columns(run).equals(direct) and reads == [], "every row from the cache: no shard read"
 
@@ -268,8 +268,8 @@ def test_a_local_run_has_no_rows_cache(tmp_path):
     run = str(tmp_path / "run")
     _shard(storage.join(run, layout.COMPLETIONS_DIR, layout.completion_shard_name(0, 0, 8)))
     with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
-                       take_lock=False) as held:
-        assert scan.remember_small_columns(run, scan.trusted_completion_shards(run), None, held.fence) is None
+                       take_lock=False) as fence:
+        assert scan.remember_small_columns(run, scan.judge_completion_shards(run), fence) is None
     assert not (tmp_path / "run" / layout.CACHE_DIR).exists() and scan.read_columns(run).num_rows == 8
 
 
@@ -285,6 +285,6 @@ def test_shards_whose_columns_do_not_concatenate_get_no_rows_cache(s3_server, s3
                                    storage.table_to_ipc_bytes(table.replace_schema_metadata(
                                        {schema.META_SHARD_ID: uuid.uuid4().hex})))
     with stage.writing(RunConfig(model="unused", output=run), "generate", layout.COMPLETIONS_DIR,
-                       take_lock=False) as held:
-        assert scan.remember_small_columns(run, scan.trusted_completion_shards(run), None, held.fence) is None
+                       take_lock=False) as fence:
+        assert scan.remember_small_columns(run, scan.judge_completion_shards(run), fence) is None
     assert not storage.exists(rows_cache.uri_of(run))

@@ -6,7 +6,7 @@ import itertools
 import json
 import re
 
-from job import layout, runs, scan, schema, storage
+from job import layout, run_record, scan, schema, storage
 from job.export.trainer_format import ExportError, finish_export
 from job.generate.prompts import CONVERSATION, RowError, history_of_turn, row_messages, with_own_answers
 
@@ -172,7 +172,7 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
     """Every completion row of the run either becomes one line of `output/conversations.jsonl` or one line of
     `output/dropped.jsonl` with the reason; `export.json` counts both and checks they add up to the input."""
 
-    found = scan.trusted_completion_shards(run, storage_config)
+    found = scan.judge_completion_shards(run, storage_config)
     line = found.problem_line("left out of this export; the next `generate` on the run moves them aside to "
                               "quarantine/ and generates their rows again")
     if line:
@@ -180,10 +180,10 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
     uris = [s.uri for s in found.trusted]
     if not uris:
         raise ExportError(f"export: no completion shards under {storage.join(run, layout.COMPLETIONS_DIR)}")
-    gen = (runs.read_run_json(run, storage_config) or {}).get("config", {}).get("generate", {})
-    thinking = bool(gen.get("enable_thinking", True))
-    variants = gen.get("sampling_variants") or []
-    whole = gen.get("regenerate") == CONVERSATION  # one training row per conversation, every turn the model's own
+    record = run_record.read(run, storage_config) or run_record.RunRecord()
+    thinking = bool(record.setting("generate.enable_thinking", True))
+    variants = record.setting("generate.sampling_variants") or []
+    whole = record.setting("generate.regenerate") == CONVERSATION  # one training row per conversation, all own turns
     kept, dropped, num_rows, num_kept_rows = [], [], 0, 0
 
     def lines():

@@ -31,8 +31,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import layout, scan, schema, stage, storage
-from job.cluster import model_missing_here
+from job import layout, pipeline, scan, schema, storage
+from job.cluster import model_missing_here, report_arrival
 from job.config import RunConfig, from_dict
 from job.generate import engine_sizing, inputs, prompts, quality
 from job.generate.engine_start import (
@@ -98,13 +98,15 @@ class RowSettings:
 
 
 class CompletionGenerator:
-    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str = "",
-                 fence=None):
+    def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str,
+                 fence, census=None):
+        """`fence`: the stage's writer lock (job/lock.py), through which every write of this actor commits.
+        `census`: the stage's census book (job/cluster.py), told once the engine has started."""
         import ray  # heavy: imported on use
 
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
         # this process only; and everything this actor prints redacted.
-        stage.apply_secrets(config)
+        pipeline.apply_secrets(config)
 
         # Before the heavy imports: a node without the model fails in seconds. `load_format: dummy` (benchmarks)
         # needs no weight files.
@@ -127,7 +129,7 @@ class CompletionGenerator:
         self.out_schema = schema.completion_schema(self.carried_schema)
         self.chat_template = chat_template
         self.job_token = job_token  # attempts of a unit are counted per job: a new job retries every unit afresh
-        self.fence = fence  # the driver's writer lock (job/lock.py): a shard is committed only while it holds
+        self.fence = fence  # the driver's writer lock (job/lock.py): every write of this actor commits through it
         gen = self.config.generate
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
@@ -153,8 +155,9 @@ class CompletionGenerator:
             self.engine, self.max_model_len = None, None
             self.device, self.max_num_seqs, self.sizing_line, self.sizing_holds = "", 0, "", 0
             self.max_rows_in_flight = gen.max_rows_in_flight or 256  # no engine to keep full: any number will do
-            return
-        self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
+        else:
+            self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
+        report_arrival(census)
 
     def _start(self, gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind) -> None:
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,
@@ -254,8 +257,8 @@ class CompletionGenerator:
 
     async def _run_unit(self, unit: layout.CompletionUnit) -> dict[str, list]:
         started = time.monotonic()
-        if self.fence is not None:  # a job whose lock was taken over starts no more work (and commits none: below)
-            await asyncio.to_thread(self.fence.check)
+        # A job whose lock was taken over starts no more work (and commits none: every write goes through the fence).
+        await asyncio.to_thread(self.fence.check)
         table = await asyncio.to_thread(inputs.read_unit, unit, self.config.storage, self.carried_schema)
         rows, undecodable = _decode_rows(table)
         attempts = await asyncio.to_thread(self._count_attempt, unit)
@@ -304,8 +307,7 @@ class CompletionGenerator:
             table = table.take(pa.array(source, pa.int64()))
         out = self._to_table(table, results)
         uri = storage.join(self.config.output, layout.COMPLETIONS_DIR, unit.shard_name)
-        await asyncio.to_thread(storage.write_shard, uri, out, self.config.storage,
-                                guard=self.fence.guard if self.fence is not None else None)
+        await asyncio.to_thread(self.fence.write_shard, uri, out)
         await asyncio.to_thread(self._forget_attempts, unit)
         return {
             "shard": [unit.shard_name],
@@ -334,13 +336,13 @@ class CompletionGenerator:
         except FileNotFoundError:  # the unit's first attempt in any job since its last shard
             seen = {}
         attempt = seen.get("attempts", 0) + 1 if seen.get("job") == self.job_token else 1
-        storage.write_json(uri, {"job": self.job_token, "attempts": attempt}, self.config.storage)
+        self.fence.write_json(uri, {"job": self.job_token, "attempts": attempt})
         return attempt
 
     def _forget_attempts(self, unit: layout.CompletionUnit) -> None:
         try:
-            storage.delete(self._attempts_uri(unit), self.config.storage)
-        except (OSError, storage.StorageError):
+            self.fence.delete(self._attempts_uri(unit))
+        except (OSError, storage.StorageError):  # a fenced-out job's count is left to the job that holds the lock
             pass  # a stale count only matters to the job that wrote it
 
     async def _error_row(self, row: dict[str, Any], error: str) -> list[dict[str, Any]]:

@@ -11,9 +11,10 @@ import re
 from typing import Any
 
 from job import target
+from job.errors import JobError
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(JobError, RuntimeError):
     """vLLM cannot start an engine for this model with these settings. The run stops once with this message: a
     model that cannot load never loads on a retry."""
 

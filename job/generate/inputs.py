@@ -28,12 +28,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from job import schema, storage
+from job.errors import JobError
 from job.generate import arrow_input, jsonl_input, prompts
 from job.layout import CompletionUnit
 from job.storage import StorageConfig
 
 
-class InputError(ValueError):
+class InputError(JobError, ValueError):
     """Input the user must fix; the message names the file and the problem."""
 
 

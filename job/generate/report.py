@@ -37,7 +37,7 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows
                  unreadable: dict[str, str] | None = None, found: scan.CompletionShards | None = None) -> dict:
     """The run's quality report from its trusted shards' small columns. `rows`: those columns already read (the
     notebook's `read_rows`, with the shards it could not read in `unreadable`): every shard is read once, not twice
-    (at 20,000 shards on S3 each read is 20,000 GETs). `found`: the shards as `scan.trusted_completion_shards`
+    (at 20,000 shards on S3 each read is 20,000 GETs). `found`: the shards as `scan.judge_completion_shards`
     judged them a moment ago (stage 1's end), else they are listed and judged now."""
     storage_config = storage_config or StorageConfig()
     run = scan.require_run(run_uri, storage_config)
@@ -60,12 +60,10 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows
     for flag in schema.QUALITY_FLAGS:
         n = int(scan.bools(table, flag)[ok_mask].sum())
         flags[flag] = {"count": n, "rate": n / num_ok if num_ok else 0.0}
-    gen = run.get("generate", {})
-    total = gen.get("input", {}).get("num_rows")
     return {
         "run": run_uri,
-        "status": gen.get("status", "unknown"),
-        "rows_total": total,
+        "status": run.status("generate", "unknown"),
+        "rows_total": run.rows_total,
         "rows_done": table.num_rows,
         "rows_ok": num_ok,
         "rows_error": table.num_rows - num_ok,
@@ -77,7 +75,7 @@ def build_report(run_uri: str, storage_config: StorageConfig | None = None, rows
         "finish_reasons": dict(Counter(r for r, ok in zip(table.column(schema.FINISH_REASON).to_pylist(), ok_mask)
                                        if ok)),
         "error_kinds": dict(Counter(error_kind(e) for e in errors if e is not None)),
-        "variants": variant_mix(table, ok_mask, run.get("config", {}).get("generate", {}).get("sampling_variants")),
+        "variants": variant_mix(table, ok_mask, run.setting("generate.sampling_variants")),
         "unreadable_shards": problems,
     }
 
@@ -121,13 +119,11 @@ def format_report(report: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def write_report(run_uri: str, storage_config: storage.StorageConfig | None = None, guard=None,
-                 found: scan.CompletionShards | None = None) -> dict:
-    """Stage 1's report (`build_report`, from the shards; `found` as there) stored at reports/generate.json under the
-    writer lock's fence, as stage 2 stores its own."""
-    report = build_report(run_uri, storage_config, found=found)
-    storage.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report, storage_config,
-                       guard)
+def write_report(run_uri: str, fence, found: scan.CompletionShards | None = None) -> dict:
+    """Stage 1's report (`build_report`, from the shards; `found` as there) stored at reports/generate.json through
+    the writer lock's fence, as stage 2 stores its own."""
+    report = build_report(run_uri, fence.storage_config, found=found)
+    fence.write_json(storage.join(run_uri, layout.REPORTS_DIR, layout.GENERATE_REPORT), report)
     return report
 
 

@@ -13,8 +13,8 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from job import layout, schema, stage, storage
-from job.cluster import model_missing_here
+from job import layout, pipeline, schema, storage
+from job.cluster import model_missing_here, report_arrival
 from job.config import ConfigError, from_dict
 from job.hidden_states import fp8
 from job.hidden_states.checks import (
@@ -43,24 +43,26 @@ class HiddenStateExtractor:
     row per unit. mode='stream': yields the records themselves (numpy; features as raw bits, uint16 for bf16)."""
 
     def __init__(self, config: dict, layer_ids: list[int], mode: str = "write", check_source: dict | None = None,
-                 fence=None, skip_ids: frozenset[str] = frozenset()):
+                 fence=None, skip_ids: frozenset[str] = frozenset(), census=None):
         """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
-        None skips the check. `fence`: the driver's writer lock (job/lock.py); every part and marker is committed
-        only while the driver holds it. `skip_ids` (stream mode): samples left out before extraction (those an
-        online trainer's checkpoint already covers: job/train_online.py)."""
+        None skips the check. `fence`: the driver's writer lock (job/lock.py), through which every write and delete
+        of this actor commits (mode 'write' needs one; a stream writes nothing). `skip_ids` (stream mode): samples
+        left out before extraction (those an online trainer's checkpoint already covers: job/train_online.py).
+        `census`: the stage's census book (job/cluster.py), told once the worker has started."""
         if skip_ids and mode != "stream":
             raise ValueError("skip_ids: stream mode only (written parts must hold every kept row)")
         self.skip_ids = frozenset(skip_ids)
         # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
-        stage.apply_secrets(config)
+        pipeline.apply_secrets(config)
         import torch  # heavy: imported on use
 
         self.config = from_dict(config)
         missing = model_missing_here(self.config.model)
         if missing:
             raise ConfigError(missing)
-        self.mode = mode
-        self.guard = fence.guard if fence is not None else None
+        if mode == "write" and fence is None:
+            raise ValueError("mode 'write' needs the stage's fence: every part is committed through it")
+        self.mode, self.fence = mode, fence
         hs = self.config.hidden_states
         check = self._check_samples(check_source) if check_source and hs.check_samples else []
         reference = None
@@ -97,6 +99,7 @@ class HiddenStateExtractor:
                                            last_layer_before_norm=hs.last_layer_before_norm)
         self.self_check = self._self_check(check, reference) if check else {}
         self.warnings = list(getattr(self.extractor, "warnings", []))
+        report_arrival(census)
 
     def _check_samples(self, source: dict) -> list:
         hs = self.config.hidden_states
@@ -164,7 +167,7 @@ class HiddenStateExtractor:
         # not-done (it is redone), never done-but-incomplete.
         stale = sorted(set(unit.existing) - set(names), key=lambda n: not n.startswith(layout.DONE_DIR))
         for name in stale:
-            storage.delete(storage.join(out, name), cfg.storage)
+            self.fence.delete(storage.join(out, name))
         # A part already there (an interrupted run) is kept only if it was made from this content of the shard.
         kept = {n for n in set(unit.existing) & set(names)
                 if (self._made_from(storage.join(out, n)) or None) == source["shard_id"]}
@@ -189,7 +192,7 @@ class HiddenStateExtractor:
             buf = table_to_ipc(table)
             part.release()
             uri = storage.join(out, names[part.index])
-            storage.write_bytes_atomic(uri, buf, cfg.storage, self.guard)
+            self.fence.write_bytes(uri, buf)
             return uri, buf.size
 
         try:

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from job.errors import Verdict
 from job.hidden_states.packing import decoder_stack
 from job.hidden_states.samples import Sample
 from job.hidden_states.shards import torch_dtype
 
 
-class HiddenStateCheckError(RuntimeError):
+class HiddenStateCheckError(Verdict, RuntimeError):
     """Features failed a sanity check (NaN/inf, all zero, implausible norm). The message names layer and sample."""
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from job import schema
+from job import scan, schema
 
 # ---------------------------------------------------------------------------------------------------------------
 # Samples: completion rows → token ids, loss mask, clipping
@@ -66,11 +66,10 @@ def samples_from_completions(table: pa.Table, *, max_length: int, keep_flagged: 
     if row_limit is not None:
         table = table.slice(0, row_limit)
     ids = table.column(schema.ID).to_pylist()
-    errors = table.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
-    flagged = np.zeros(table.num_rows, dtype=bool)
-    for flag in schema.QUALITY_FLAGS:
-        if flag in table.column_names:
-            flagged |= table.column(flag).fill_null(False).to_numpy(zero_copy_only=False)
+    # Which rows are kept is scan's one rule (the estimate and `status` count the same rows); why the others are not
+    # is counted here.
+    errors, kept = ~scan.ok_rows(table), scan.kept_rows(table, keep_flagged)
+    flagged = ~errors & scan.flagged_rows(table)
     p_off, p_val = _list_column(table, schema.PROMPT_TOKEN_IDS)
     o_off, o_val = _list_column(table, schema.OUTPUT_TOKEN_IDS)
     p_valid = table.column(schema.PROMPT_TOKEN_IDS).is_valid().to_numpy(zero_copy_only=False)
@@ -78,16 +77,13 @@ def samples_from_completions(table: pa.Table, *, max_length: int, keep_flagged: 
 
     samples, skipped = [], {"error": 0, "flagged": 0, "empty": 0}
     for i in range(table.num_rows):
-        if errors[i]:
-            skipped["error"] += 1
-            continue
-        if flagged[i] and not keep_flagged:
-            skipped["flagged"] += 1
+        if not kept[i]:
+            skipped["error" if errors[i] else "flagged" if flagged[i] and not keep_flagged else "empty"] += 1
             continue
         prompt = p_val[p_off[i]:p_off[i + 1]] if p_valid[i] else p_val[:0]
         output = o_val[o_off[i]:o_off[i + 1]] if o_valid[i] else o_val[:0]
         n = len(prompt) + len(output)
-        if n == 0:
+        if n == 0:  # counts that disagree with the token lists: the lists are what would be extracted
             skipped["empty"] += 1
             continue
         input_ids = np.concatenate([prompt, output])[:max_length].astype(np.int32)

@@ -22,6 +22,7 @@ job/runview/hidden.py (`jh.<name>`), the reading in job/scan.py, the number form
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections import Counter
@@ -74,25 +75,24 @@ def run_overview(run_uri: str, storage_config: StorageConfig | None = None) -> d
     """run.json, condensed: model, sampling, stage statuses, versions, git sha, and the full config."""
     run = scan.require_run(run_uri, storage_config, hint="Set RUN_DIR to the --output of a `python -m job "
                                                          "generate` run (local path or s3:// URI)")
-    config, gen = run.get("config", {}), run.get("generate", {})
-    hs = run.get("hidden_states", {})  # stage 2's section of run.json
+    gen, hs = run.generate, run.hidden_states
     return {
         "run": run_uri,
-        "created_at": run.get("created_at"),
-        "git_sha": run.get("git_sha"),
-        "versions": run.get("versions", {}),
-        "model": config.get("model"),
-        "input": gen.get("input", {}),
-        "rows_total": gen.get("input", {}).get("num_rows"),
-        "sampling": gen.get("sampling") or config.get("generate", {}).get("sampling", {}),
-        "enable_thinking": config.get("generate", {}).get("enable_thinking"),
-        "engine_kwargs": config.get("engine_kwargs", {}),
-        "generate_status": gen.get("status", "not started"),
-        "canary_passed": gen.get("canary_passed"),
-        "hidden_states_status": hs.get("status", "not started"),
-        "hidden_states_config": config.get("hidden_states", {}),
-        "hidden_states_estimate": hs.get("estimate"),
-        "config": config,
+        "created_at": run.created_at,
+        "git_sha": run.git_sha,
+        "versions": run.versions,
+        "model": run.setting("model"),
+        "input": {k: v for k, v in dataclasses.asdict(gen.input).items() if k != "extra"} if gen else {},
+        "rows_total": run.rows_total,
+        "sampling": (gen.sampling if gen else {}) or run.setting("generate.sampling", {}),
+        "enable_thinking": run.setting("generate.enable_thinking"),
+        "engine_kwargs": run.setting("engine_kwargs", {}),
+        "generate_status": run.status("generate", "not started"),
+        "canary_passed": gen.canary_passed if gen else None,
+        "hidden_states_status": run.status("hidden_states", "not started"),
+        "hidden_states_config": run.setting("hidden_states", {}),
+        "hidden_states_estimate": hs.estimate if hs else None,
+        "config": run.config,
     }
 
 
@@ -124,20 +124,20 @@ DAMAGED_SHARDS_NOTE = ("left out here (`python -m job status` names them too); t
                        "moves them aside to quarantine/ and generates their rows again")
 
 
-def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> scan.CompletionShards:
-    """The run's completion shards, listed and judged once (scan.trusted_completion_shards), for the cells that
+def judge_completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> scan.CompletionShards:
+    """The run's completion shards, listed and judged once (scan.judge_completion_shards), for the cells that
     follow: `status.build_status(..., found=)` and `read_rows(..., found=)` then list nothing again (at 20,000 shards
     on S3 a listing of completions/ is 20 LISTs). Run the cell again to see shards written since."""
-    return scan.trusted_completion_shards(run_uri, storage_config)
+    return scan.judge_completion_shards(run_uri, storage_config)
 
 
 def read_rows(run_uri: str, columns: list[str] | None = None, storage_config: StorageConfig | None = None,
               num_threads: int = 16, unreadable: dict[str, str] | None = None,
               found: scan.CompletionShards | None = None) -> pa.Table:
     """The small columns of every trusted completion shard (default ROW_COLUMNS), plus `shard`: its URI. A shard
-    that cannot be trusted (truncated, zero bytes: scan.trusted_completion_shards, the rule `status` and both stages
+    that cannot be trusted (truncated, zero bytes: scan.judge_completion_shards, the rule `status` and both stages
     follow) is left out, and one line printed names it; `unreadable` receives {name: problem}. `found`: the shards
-    as `completion_shards` gave them (else listed now)."""
+    as `judge_completion_shards` gave them (else listed now)."""
     problems: dict[str, str] = {}
     rows = scan.read_columns(run_uri, columns or ROW_COLUMNS, storage_config, shard_column=SHARD,
                              unreadable=problems, num_threads=num_threads, found=found)

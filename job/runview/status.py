@@ -19,10 +19,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-import pyarrow.compute as pc
-
 from job import rowranges, scan, schema
 from job.formatting import format_bytes, format_duration
+from job.run_record import RunRecord
 from job.storage import StorageConfig
 
 # Columns a shard scan reads; everything else (token lists, texts, carried columns) stays on disk.
@@ -60,36 +59,23 @@ class ShardStat:
 
 def scan_completions(run_uri: str, storage_config: StorageConfig | None = None, *, read_columns: bool = True,
                      num_threads: int = 32, found: scan.CompletionShards | None = None) -> list[ShardStat]:
-    """Every trusted completion shard of a run (scan.trusted_completion_shards, or `found`: its answer already
+    """Every trusted completion shard of a run (scan.judge_completion_shards, or `found`: its answer already
     taken) with its counts, sorted by modification time. The untrusted ones are the caller's to name."""
     storage_config = storage_config or StorageConfig()
-    found = found if found is not None else scan.trusted_completion_shards(run_uri, storage_config)
+    found = found if found is not None else scan.judge_completion_shards(run_uri, storage_config)
     stats = [ShardStat(shard=s, num_rows=s.stop - s.start) for s in found.trusted]
     if not read_columns:
         return sorted(stats, key=lambda s: (s.mtime, s.name))
-    unread = []
-    for stat in stats:  # the counts its writer stamped in its footer (scan.shard_counts), else its columns read
-        counts = found.checks[stat.name].counts
-        if counts is None:
-            unread.append(stat)
-            continue
+    # Each shard's counts (scan.shard_counts, the one rule): as its writer stamped them in its footer, else (a shard
+    # from before footers held them) from its small columns, read now.
+    unread = [stat for stat in stats if found.checks[stat.name].counts is None]
+    tables = scan.read_shard_tables([s.shard.uri for s in unread], list(_SCAN_COLUMNS), storage_config, num_threads)
+    counted = {stat.name: scan.shard_counts(t) for stat, t in zip(unread, tables)}
+    for stat in stats:
+        counts = found.checks[stat.name].counts or counted[stat.name]
         stat.num_rows, stat.num_errors = counts["rows"], counts["errors"]
         stat.num_output_tokens, stat.num_prompt_tokens = counts["output_tokens"], counts["prompt_tokens"]
         stat.flags = dict(counts["flags"])
-    if unread:
-        tables = scan.read_shard_tables([s.shard.uri for s in unread], list(_SCAN_COLUMNS), storage_config,
-                                        num_threads)
-        for stat, t in zip(unread, tables):
-            stat.num_rows = t.num_rows
-            if schema.ERROR in t.column_names:
-                stat.num_errors = t.num_rows - int(scan.ok_rows(t).sum())
-            for col, attr in ((schema.NUM_OUTPUT_TOKENS, "num_output_tokens"),
-                              (schema.NUM_PROMPT_TOKENS, "num_prompt_tokens")):
-                if col in t.column_names:
-                    setattr(stat, attr, int(pc.sum(t.column(col)).as_py() or 0))
-            for flag in schema.QUALITY_FLAGS:
-                if flag in t.column_names:
-                    stat.flags[flag] = int(scan.bools(t, flag).sum())
     return sorted(stats, key=lambda s: (s.mtime, s.name))
 
 
@@ -157,7 +143,7 @@ def _covered_rows(shards: list[ShardStat]) -> int:
     return sum(rowranges.covered_rows(ranges) for ranges in _ranges(shards).values())
 
 
-def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage_config: StorageConfig,
+def scan_hidden_states(run_uri: str, run: RunRecord, shards: list[ShardStat], storage_config: StorageConfig,
                        found: scan.CompletionShards, *, read_markers: bool = True) -> dict | None:
     """Stage 2's progress against the completion shards written so far; None before stage 2 first ran.
 
@@ -168,7 +154,7 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
     since are counted as stale. Parts and bytes are those of done units (scan.done_parts, the one byte rule)."""
     markers = scan.stage2_markers(run_uri, found.listed, found.checks, storage_config)  # as stage 2 judges them
     files = markers.files
-    if not files and not run.get("hidden_states"):
+    if not files and run.hidden_states is None:
         return None
     parts = scan.done_parts(markers, found.trusted, run_uri)
     rows_done, used = 0, []
@@ -179,7 +165,7 @@ def scan_hidden_states(run_uri: str, run: dict, shards: list[ShardStat], storage
             used.append(marker)
     rows_written = sum(s.num_rows for s in shards)
     out = {
-        "status": run.get("hidden_states", {}).get("status", "running" if files else "not started"),
+        "status": run.status("hidden_states", "running" if files else "not started"),
         "rows_done": rows_done,
         "rows_to_do": max(0, rows_written - rows_done),
         "rows_from_stage1": rows_written,
@@ -201,16 +187,15 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
                  now: float | None = None, read_columns: bool = True,
                  found: scan.CompletionShards | None = None) -> dict:
     """Everything `python -m job status` prints, as a dict (also what `--json` prints). `found`: the completion
-    shards as `scan.trusted_completion_shards` judged them a moment ago (the notebook shares one listing between
+    shards as `scan.judge_completion_shards` judged them a moment ago (the notebook shares one listing between
     its cells); by default they are listed and judged now."""
 
     storage_config = storage_config or StorageConfig()
     now = time.time() if now is None else now
     run = scan.require_run(run_uri, storage_config)
-    gen = run.get("generate", {})
-    total = gen.get("input", {}).get("num_rows")
-    rows_per_shard = run.get("config", {}).get("generate", {}).get("rows_per_shard")
-    found = found if found is not None else scan.trusted_completion_shards(run_uri, storage_config)
+    total = run.rows_total
+    rows_per_shard = run.setting("generate.rows_per_shard")
+    found = found if found is not None else scan.judge_completion_shards(run_uri, storage_config)
     shards = scan_completions(run_uri, storage_config, read_columns=read_columns, found=found)
 
     done = _covered_rows(shards)
@@ -238,9 +223,9 @@ def build_status(run_uri: str, storage_config: StorageConfig | None = None, *, w
 
     return {
         "run": run_uri,
-        "status": gen.get("status", "not started" if not shards else "unknown"),
-        "created_at": run.get("created_at"),
-        "canary_passed": gen.get("canary_passed"),
+        "status": run.status("generate", "not started" if not shards else "unknown"),
+        "created_at": run.created_at,
+        "canary_passed": run.generate.canary_passed if run.generate is not None else None,
         "rows_total": total,
         "rows_done": done,
         "rows_remaining": remaining,

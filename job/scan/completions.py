@@ -1,19 +1,17 @@
-"""The small columns of a run's completion shards, read the one way every reader shares: `python -m job report`,
-`python -m job status` (and `plan --from` through it) and the notebook's helpers.
+"""Completion shards, read the one way every reader shares (both stages, `status`, `report`, `plan --from`, export,
+the notebook):
 
 - `require_run`: run.json, or the one refusal of a path that is not a run directory (`NotARunDirectory`).
 - `list_completion_shards`: one listing of `completions/`; names, sizes and modification times come with it. Only
   files named like a completion shard (job/layout.py) count: a file someone copied in is ignored.
-- `trusted_completion_shards`: THE rule of which completion shards can be trusted (their footers read whole, the
-  columns of a completion shard); every reader (both stages, `status`, `report`, the notebook) takes its shards
-  from it and names the others with `unreadable_line`.
-- `read_columns`: chosen small columns of those shards in a thread pool, as one table (plus the shard's URI per row
-  when asked). The Arrow IPC footer locates each column's buffers, so only those are fetched (a few range GETs per
-  shard on S3): token lists, texts and carried input columns stay where they are.
-- `ok_rows`, `kept_rows`, `kept_tokens`: which rows count, defined once (stage 2 skips the others).
-- `marker_matches`, `Stage2Markers.covered`, `done_hidden_state_parts`: when stage 2 is done with a completion
-  shard, and which hidden-state parts count (and so which bytes: `stored_hidden_state_bytes`).
-- `hidden_state_meta`: a hidden-state part's schema metadata, decoded once.
+- `judge_completion_shards`: THE rule of which completion shards can be trusted (their footers read whole, the
+  columns of a completion shard): every shard listed, with its verdict; readers take `.trusted` and name the others
+  with `unreadable_line`.
+- `read_columns`: chosen small columns of the trusted shards in a thread pool, as one table (plus the shard's URI per
+  row when asked). The Arrow IPC footer locates each column's buffers, so only those are fetched (a few range GETs
+  per shard on S3): token lists, texts and carried input columns stay where they are.
+- `ok_rows`, `kept_rows`, `kept_tokens`, `shard_counts`: which rows count and what a shard holds, defined once
+  (stage 2 extracts exactly the kept rows; its estimate and `status` count them with the same functions).
 """
 
 from __future__ import annotations
@@ -25,8 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from job import layout, rows_cache, schema, storage, trust_cache
-from job.runs import RunError, read_run_json
+from job import layout, rows_cache, run_record, schema, storage, trust_cache
+from job.run_record import RunRecord
+from job.runs import RunError
 from job.storage import StorageConfig
 
 SMALL_COLUMNS = [schema.ID, schema.FINISH_REASON, schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS,
@@ -40,9 +39,10 @@ class NotARunDirectory(RunError):
     the notebook). A RunError, so the command line prints it in one line like the job's other refusals."""
 
 
-def require_run(run_uri: str, storage_config: StorageConfig | None = None, *, hint: str = "") -> dict:
-    """The run's run.json; a path without one is refused with `NotARunDirectory` (`hint`: what to do instead)."""
-    run = read_run_json(run_uri, storage_config or StorageConfig())
+def require_run(run_uri: str, storage_config: StorageConfig | None = None, *, hint: str = "") -> RunRecord:
+    """The run's record (run.json); a path without one is refused with `NotARunDirectory` (`hint`: what to do
+    instead)."""
+    run = run_record.read(run_uri, storage_config or StorageConfig())
     if run is None:
         raise NotARunDirectory(f"{run_uri}: no {layout.RUN_JSON} there, so it is not a run directory (or not yet: "
                                f"`generate` writes it before the first shard){'. ' + hint if hint else ''}")
@@ -78,9 +78,9 @@ def list_completion_shards(run_uri: str, storage_config: StorageConfig | None = 
     return shards
 
 
-def completion_shards(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
-    """URIs of the completion shards of a run that can be trusted (`trusted_completion_shards`), sorted by name."""
-    return [s.uri for s in trusted_completion_shards(run_uri, storage_config).trusted]
+def trusted_completion_uris(run_uri: str, storage_config: StorageConfig | None = None) -> list[str]:
+    """URIs of the completion shards of a run that can be trusted (`judge_completion_shards`), sorted by name."""
+    return [s.uri for s in judge_completion_shards(run_uri, storage_config).trusted]
 
 
 def read_shard_tables(uris: list[str], columns: list[str], storage_config: StorageConfig | None = None,
@@ -111,14 +111,14 @@ def read_columns(run_uri: str, columns: list[str] | None = None, storage_config:
                  unreadable: dict[str, str] | None = None, num_threads: int = 16,
                  found: CompletionShards | None = None) -> pa.Table:
     """`columns` (default SMALL_COLUMNS) of every trusted completion shard of the run (or of `shards`: URIs the
-    caller took from `trusted_completion_shards`) as one table, in shard-name order; with `shard_column`, a column
+    caller took from `judge_completion_shards`) as one table, in shard-name order; with `shard_column`, a column
     of that name holds each row's shard URI. `unreadable` receives {name: problem} of the shards left out. `found`:
-    `trusted_completion_shards`' answer already taken (else it is asked now).
+    `judge_completion_shards`' answer already taken (else it is asked now).
     On S3, the rows of every shard whose size and ETag the rows cache holds come from it (job/rows_cache.py: one
     GET in all), the others from the shards."""
     columns = list(columns or SMALL_COLUMNS)
     if shards is None:
-        found = found if found is not None else trusted_completion_shards(run_uri, storage_config)
+        found = found if found is not None else judge_completion_shards(run_uri, storage_config)
         uris = [s.uri for s in found.trusted]
         if unreadable is not None:
             unreadable.update(found.problems)
@@ -142,7 +142,9 @@ def read_columns(run_uri: str, columns: list[str] | None = None, storage_config:
 
 
 def ints(table: pa.Table, name: str) -> np.ndarray:
-    """An integer column as int64, nulls as 0."""
+    """An integer column as int64, nulls as 0; all 0 when the table has no such column."""
+    if name not in table.column_names:
+        return np.zeros(table.num_rows, dtype=np.int64)
     return table.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
@@ -155,15 +157,28 @@ def bools(table: pa.Table, name: str) -> np.ndarray:
 
 def ok_rows(table: pa.Table) -> np.ndarray:
     """Rows that are not errors (`error` null): the rows quality rates and lengths are measured on."""
+    if schema.ERROR not in table.column_names:
+        return np.ones(table.num_rows, dtype=bool)
     return ~table.column(schema.ERROR).is_valid().to_numpy(zero_copy_only=False)
 
 
+def flagged_rows(table: pa.Table) -> np.ndarray:
+    """Rows with any quality flag set."""
+    flagged = np.zeros(table.num_rows, dtype=bool)
+    for flag in schema.QUALITY_FLAGS:
+        flagged |= bools(table, flag)
+    return flagged
+
+
 def kept_rows(table: pa.Table, keep_flagged: bool = True) -> np.ndarray:
-    """Rows stage 2 turns into samples: not errors and, unless `keep_flagged`, no quality flag set."""
+    """THE rule of the rows stage 2 turns into samples: not errors, at least one token (prompt + output) and, unless
+    `keep_flagged`, no quality flag set. Stage 2 extracts these (hidden_states/samples.py); its estimate, `status`
+    and the notebook count them."""
     keep = ok_rows(table)
+    if schema.NUM_PROMPT_TOKENS in table.column_names or schema.NUM_OUTPUT_TOKENS in table.column_names:
+        keep &= ints(table, schema.NUM_PROMPT_TOKENS) + ints(table, schema.NUM_OUTPUT_TOKENS) > 0
     if not keep_flagged:
-        for flag in schema.QUALITY_FLAGS:
-            keep &= ~bools(table, flag)
+        keep &= ~flagged_rows(table)
     return keep
 
 
@@ -287,7 +302,7 @@ def unreadable_line(problems: dict[str, str], what_now: str) -> str:
 
 @dataclass
 class CompletionShards:
-    """A run's completion shards as `trusted_completion_shards` judged them."""
+    """A run's completion shards as `judge_completion_shards` judged them."""
     listed: list[CompletionShard]
     """Every shard of the listing, trusted or not (stage 2 judges its markers against all of them)."""
     checks: dict[str, ShardCheck]
@@ -310,7 +325,7 @@ class CompletionShards:
         return unreadable_line(self.problems, what_now) if self.problems else None
 
 
-def _listed_beside_cache(list_files, run_uri: str, kind: str, storage_config: StorageConfig | None):
+def listed_beside_cache(list_files, run_uri: str, kind: str, storage_config: StorageConfig | None):
     """(`list_files()`, the run's trust cache of `kind`): the cache's GET and decoding in a helper thread while the
     listing's pages come (on S3 a page is a round trip of 0.05-0.4 s in which the listing thread only waits)."""
     with ThreadPoolExecutor(1) as pool:
@@ -319,34 +334,33 @@ def _listed_beside_cache(list_files, run_uri: str, kind: str, storage_config: St
         return listed, cached.result()
 
 
-def trusted_completion_shards(run_uri: str, storage_config: StorageConfig | None = None,
+def judge_completion_shards(run_uri: str, storage_config: StorageConfig | None = None,
                               num_threads: int = storage.PARALLEL_READS) -> CompletionShards:
     """THE rule of which completion shards of a run can be trusted, for every reader (stage 1's resume, stage 2's
     plan, `status`, `report`, `plan --from`, export, the notebook): one listing (`list_completion_shards`), then each
     shard's footer read (`check_completion_shard`: zero bytes, no whole Arrow file, not a completion shard's
     columns). What a reader does with the untrusted ones is its own: stage 1 moves them aside and generates their
     rows again, the others leave them out and name them (`CompletionShards.problem_line`)."""
-    listed, cache = _listed_beside_cache(lambda: list_completion_shards(run_uri, storage_config), run_uri,
+    listed, cache = listed_beside_cache(lambda: list_completion_shards(run_uri, storage_config), run_uri,
                                          trust_cache.COMPLETIONS, storage_config)  # cache: footers already trusted
     return CompletionShards(listed=listed, checks=check_completion_shards(listed, storage_config, num_threads, cache),
                             cache=cache)
 
 
-def remember_completion_shards(run_uri: str, found: CompletionShards, storage_config: StorageConfig | None,
-                               fence) -> bool:
+def remember_completion_shards(run_uri: str, found: CompletionShards, fence) -> bool:
     """Save what `found` trusted as the run's completion trust cache: stage 1 only, under its writer lock's fence
     (job/trust_cache.py). Returns whether it wrote (nothing new: nothing written)."""
-    return trust_cache.save(run_uri, trust_cache.COMPLETIONS, found.cache, storage_config, fence)
+    return trust_cache.save(run_uri, trust_cache.COMPLETIONS, found.cache, fence)
 
 
-def remember_small_columns(run_uri: str, found: CompletionShards, storage_config: StorageConfig | None, fence,
-                           num_threads: int = 16) -> int | None:
+def remember_small_columns(run_uri: str, found: CompletionShards, fence, num_threads: int = 16) -> int | None:
     """Save the SMALL_COLUMNS of every shard `found` trusted as the run's rows cache (job/rows_cache.py): stage 1
     only, under its writer lock's fence. Rows the cache already holds for a shard's listed size and ETag are kept;
     only the other shards are read (one read each). Returns how many shards were read, or None when nothing was
     written (a local run, or nothing changed)."""
     if not storage.is_s3(run_uri):
         return None
+    storage_config = fence.storage_config
     cached = rows_cache.load(run_uri, storage_config)
     shards = [s for s in found.trusted if s.etag is not None]
     tables, num_read = cached_or_read(shards, SMALL_COLUMNS, cached, storage_config, num_threads)
@@ -356,173 +370,5 @@ def remember_small_columns(run_uri: str, found: CompletionShards, storage_config
         rows = rows_cache.build([(s.name, s.size, s.etag, t) for s, t in zip(shards, tables)], SMALL_COLUMNS)
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # the shards' columns do not concatenate (a type changed): no cache
         return None
-    rows_cache.save(run_uri, rows, storage_config, fence)
+    rows_cache.save(run_uri, rows, fence)
     return num_read
-
-
-def marker_matches(marker: dict, shard: CompletionShard, shard_id: str | None) -> bool:
-    """THE rule of whether a stage-2 marker still covers a completion shard (stage 2, `status`, the notebook and
-    export all come here): it was made from this content — the shard's size and content id as the marker recorded
-    them. A shard regenerated under the same name has another id; its old hidden states are stale. A marker from
-    before markers recorded their source counts only for a shard from before shards had ids."""
-    source = marker.get("source")
-    if not source:
-        return shard_id is None
-    return source.get("size") == shard.size and source.get("shard_id") == shard_id
-
-
-@dataclass
-class Stage2Markers:
-    """Stage 2's markers judged against the completion shards they cover."""
-    matching: dict[str, dict[int | None, tuple[str, dict]]]
-    """Completion shard name → {--limit or None: (marker name, marker)} of the markers that match its content."""
-    stale: dict[str, list[str]]
-    """Completion shard name → names of its markers made from other content (relative to hidden_states/)."""
-    files: list[tuple[str, int, float | None]]
-    """hidden_states/'s listing: (name, size, mtime)."""
-    orphans: list[str]
-    """Markers and parts of completion shards that no longer exist (moved aside, or re-cut into other units by a
-    rerun): nothing counts them; stage 2 deletes them."""
-    cache: trust_cache.Entries = field(default_factory=trust_cache.Entries)
-    """The markers' trust cache as this answer left it: stage 2 saves it (`remember_markers`)."""
-
-    def covered(self, shard_name: str, num_rows: int) -> tuple[int, int | None, dict | None]:
-        """THE answer to "how much of this completion shard has its hidden states", for every reader (stage 2's
-        plan, `status`, export, `load`, the notebook): (rows covered, the --limit of the widest matching marker or
-        None for a full one, that marker); (0, None, None) without one. A full marker wins over any --limit one."""
-        found = self.matching.get(shard_name)
-        if not found:
-            return 0, None, None
-        limit = None if None in found else max(found)
-        return (num_rows if limit is None else min(limit, num_rows)), limit, found[limit][1]
-
-
-def stage2_markers(run_uri: str, shards: list[CompletionShard], checks: dict[str, ShardCheck],
-                   storage_config: StorageConfig | None = None, num_threads: int = 32) -> Stage2Markers:
-    """One listing of hidden_states/, every marker of a listed shard read (one small GET each, none for a marker
-    the trust cache holds with its listed size and ETag) and judged by `marker_matches`."""
-    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
-    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    entries, cache = _listed_beside_cache(lambda: storage.list_file_entries(hidden_dir, "", storage_config), run_uri,
-                                          trust_cache.MARKERS, storage_config)
-    files = [(name, size, mtime) for name, size, mtime, _ in entries]
-    etags = {name: (size, etag) for name, size, _, etag in entries}
-    by_stem: dict[str, list[tuple[str, int | None]]] = {}
-    for name, _, _ in files:
-        parsed = layout.parse_marker_name(name)
-        if parsed is not None:
-            by_stem.setdefault(parsed[0], []).append((name, parsed[1]))
-    stems = {layout.hidden_state_stem(shard.uri, completions_dir) for shard in shards}
-    wanted = [(shard, name, limit) for shard in shards
-              for name, limit in by_stem.get(layout.hidden_state_stem(shard.uri, completions_dir), [])]
-    orphans = [name for name, _, _ in files
-               if (stem := layout.hidden_state_file_stem(name)) is not None and stem not in stems]
-
-    def read(name: str) -> dict:
-        size, etag = etags[name]
-        try:
-            marker = storage.read_json(storage.join(hidden_dir, name), storage_config)
-        except (FileNotFoundError, ValueError):  # deleted since the listing, or not JSON: covers nothing
-            return {"source": {"size": -1}}
-        if isinstance(marker, dict):
-            cache.put(name, size, etag, marker)
-        return marker
-
-    # The cache's answers first, in this thread; only the markers it does not hold go to the pool (at 20,000 cached
-    # markers, a task each cost ~1 s of the driver's CPU for nothing).
-    markers = [cache.get(name, *etags[name]) for _, name, _ in wanted]
-    misses = [i for i, marker in enumerate(markers) if marker is None]
-    if misses:
-        with ThreadPoolExecutor(min(num_threads, len(misses))) as pool:
-            for i, marker in zip(misses, pool.map(read, [wanted[i][1] for i in misses])):
-                markers[i] = marker
-    cache.keep_only({name for _, name, _ in wanted})
-    out = Stage2Markers(matching={}, stale={}, files=files, orphans=orphans, cache=cache)
-    for (shard, name, limit), marker in zip(wanted, markers):
-        check = checks.get(shard.name, ShardCheck())
-        if check.problem is None and marker_matches(marker, shard, check.shard_id):
-            out.matching.setdefault(shard.name, {})[limit] = (name, marker)
-        else:
-            out.stale.setdefault(shard.name, []).append(name)
-    return out
-
-
-def remember_markers(run_uri: str, markers: Stage2Markers, storage_config: StorageConfig | None, fence) -> bool:
-    """Save the markers `markers` read as the run's marker trust cache: stage 2 only, under its writer lock's fence.
-    Returns whether it wrote."""
-    return trust_cache.save(run_uri, trust_cache.MARKERS, markers.cache, storage_config, fence)
-
-
-def done_parts(markers: Stage2Markers, shards: list[CompletionShard], run_uri: str) -> list[tuple[str, int]]:
-    """(URI, size) of the hidden-state parts that count, sorted by name: those of each shard's covering marker
-    (`Stage2Markers.covered`: a full marker before any `--limit` one), named by job/layout.py. Parts of an
-    unfinished unit, or made from an earlier content of a regenerated shard, are left out."""
-    sizes = {name: size for name, size, _ in markers.files}
-    hidden_dir = storage.join(run_uri, layout.HIDDEN_STATES_DIR)
-    completions_dir = storage.join(run_uri, layout.COMPLETIONS_DIR)
-    out = []
-    for shard in shards:
-        _, limit, marker = markers.covered(shard.name, shard.stop - shard.start)
-        if marker is None:
-            continue
-        for name in marker_parts(layout.hidden_state_stem(shard.uri, completions_dir), limit, marker):
-            if name in sizes:
-                out.append((storage.join(hidden_dir, name), sizes[name]))
-    return sorted(out)
-
-
-def marker_parts(stem: str, limit: int | None, marker: dict) -> list[str]:
-    """Names (relative to hidden_states/) of the parts a done marker vouches for: the parts that count."""
-    return [layout.hidden_state_part_name(stem, limit, j) for j in range(int(marker.get("num_parts", 0)))]
-
-
-def done_hidden_state_parts(run_uri: str, storage_config: StorageConfig | None = None) -> list[tuple[str, int]]:
-    """(URI, size) of a run's hidden-state parts that count (`done_parts`), from one listing of each directory:
-    what export, `load`, `hidden-states --check`, stage 2's report and the notebook read. Their sizes summed are THE
-    stored bytes of stage 2 (`status`, the report and the notebook's projection count these, nothing else)."""
-    found = trusted_completion_shards(run_uri, storage_config)
-    markers = stage2_markers(run_uri, found.listed, found.checks, storage_config)
-    return done_parts(markers, found.trusted, run_uri)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A hidden-state part's schema metadata, decoded once
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HiddenStateMeta:
-    """What a hidden-state part's schema metadata says (job/schema.py writes it: `hidden_states_schema`)."""
-    model: str
-    layer_ids: list[int]
-    dtype: str
-    """As stored (float8_e4m3fn for FP8 storage; job/hidden_states/shards.py `record_dtype` is what reading gives)."""
-    hidden_size: int
-    layer_convention: str
-    last_layer_norm: str
-    """schema.LAST_BEFORE_NORM or LAST_AFTER_NORM (after: what parts from before this was recorded hold)."""
-    num_model_layers: int | None
-
-    @property
-    def last_before_norm(self) -> bool:
-        return self.last_layer_norm == schema.LAST_BEFORE_NORM
-
-    @property
-    def bytes_per_token(self) -> int:
-        return schema.hidden_state_bytes_per_token(len(self.layer_ids), self.hidden_size, self.dtype)
-
-
-def hidden_state_meta(metadata: dict[bytes, bytes]) -> HiddenStateMeta:
-    """A hidden-state part's schema metadata (`table.schema.metadata`, or `storage.read_shard_schema(uri).metadata`)
-    decoded; a part that is not one (no layer ids) raises ValueError naming what is missing."""
-    meta = metadata or {}
-    missing = [k.decode() for k in (schema.META_LAYER_IDS, schema.META_DTYPE, schema.META_HIDDEN_SIZE) if k not in meta]
-    if missing:
-        raise ValueError(f"not a hidden-state part: its schema metadata has no {', '.join(missing)}")
-    layers = meta.get(schema.META_NUM_MODEL_LAYERS)
-    return HiddenStateMeta(
-        model=meta.get(schema.META_MODEL, b"").decode(), layer_ids=json.loads(meta[schema.META_LAYER_IDS]),
-        dtype=meta[schema.META_DTYPE].decode(), hidden_size=int(meta[schema.META_HIDDEN_SIZE]),
-        layer_convention=meta.get(schema.META_LAYER_CONVENTION, b"").decode(),
-        last_layer_norm=meta.get(schema.META_LAST_LAYER_NORM, schema.LAST_AFTER_NORM.encode()).decode(),
-        num_model_layers=int(layers) if layers else None)

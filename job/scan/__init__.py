@@ -1,0 +1,51 @@
+"""The one reader of a run directory's state, used by the writers (which units are done) and the readers (`status`,
+`report`, `plan --from`, export, the notebook) alike: completion shards (completions.py) and stage 2's markers and
+parts (hidden.py). Callers use `scan.<name>`: the names below."""
+
+from job.scan.completions import (
+    SMALL_COLUMNS,
+    CompletionShard,
+    CompletionShards,
+    NotARunDirectory,
+    ShardCheck,
+    bools,
+    cached_or_read,
+    check_completion_shard,
+    check_completion_shards,
+    counted_kept_tokens,
+    flagged_rows,
+    ints,
+    judge_completion_shards,
+    kept_rows,
+    kept_tokens,
+    list_completion_shards,
+    ok_rows,
+    read_columns,
+    read_shard_tables,
+    remember_completion_shards,
+    remember_small_columns,
+    require_run,
+    shard_counts,
+    trusted_completion_uris,
+    unreadable,
+    unreadable_line,
+)
+from job.scan.hidden import (
+    HiddenStateMeta,
+    Stage2Markers,
+    done_hidden_state_parts,
+    done_parts,
+    hidden_state_meta,
+    marker_matches,
+    marker_parts,
+    remember_markers,
+    stage2_markers,
+)
+
+__all__ = ["SMALL_COLUMNS", "CompletionShard", "CompletionShards", "NotARunDirectory", "ShardCheck", "bools",
+           "cached_or_read", "check_completion_shard", "check_completion_shards", "counted_kept_tokens",
+           "flagged_rows", "ints", "judge_completion_shards", "kept_rows", "kept_tokens", "list_completion_shards",
+           "ok_rows", "read_columns", "read_shard_tables", "remember_completion_shards", "remember_small_columns",
+           "require_run", "shard_counts", "trusted_completion_uris", "unreadable", "unreadable_line",
+           "HiddenStateMeta", "Stage2Markers", "done_hidden_state_parts", "done_parts", "hidden_state_meta",
+           "marker_matches", "marker_parts", "remember_markers", "stage2_markers"]
