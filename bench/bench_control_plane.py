@@ -22,7 +22,7 @@ after its imports, with the S3 requests it made and its peak RSS:
   d. export selection    scan.done_hidden_state_parts (what export, `load` and the notebook read)
   e. notebook opening    run_overview, build_status, generate.report.build_report, notebook.read_rows (the cells
                          up to `rows`)
-  r. stage 1's cache save what a stage 1 on S3 does every ~10 min and at its end (generate/completions.py remember_shards,
+  r. stage 1's cache save what a stage 1 on S3 does every ~10 min and at its end (completions.remember_shards,
                          under its writer lock): the trust cache of the footers and the rows cache of the small
                          columns (job/rows_cache.py), reading only the shards neither holds; the run's state after a
                          finished stage 1

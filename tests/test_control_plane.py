@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from job import layout, schema, storage
 from job.config import RunConfig
-from job.hidden_states.run import plan_units
+from job.hidden_states.plan import plan_units
 
 
 def _completion_shard(uri: str, rows: int) -> tuple[int, str]:

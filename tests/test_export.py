@@ -238,7 +238,7 @@ def test_speculators_reads_back_exactly_and_its_last_slot_is_before_the_norm(run
     # The last slot is decoder layer 3's own output (before the norm), from a plain transformers forward.
     from transformers import AutoModelForCausalLM
 
-    from job.hidden_states.packing import decoder_stack
+    from job.target_weights import decoder_stack
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stack = decoder_stack(model)

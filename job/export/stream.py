@@ -10,7 +10,7 @@ from job.export.norm import with_final_norm
 from job.export.trainer_format import Plan, drop_reason, make_plan, trainer_sample
 from job.hidden_states import dataset
 from job.hidden_states.actor import ragged
-from job.hidden_states.shards import torch_dtype
+from job.target_weights import torch_dtype
 
 # ---------------------------------------------------------------------------------------------------------------
 # Streaming: the same mapping as a ray.data transform over job.hidden_states.dataset(...)

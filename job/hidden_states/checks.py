@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from job.errors import Verdict
-from job.hidden_states.packing import decoder_stack
 from job.hidden_states.samples import Sample
-from job.hidden_states.shards import torch_dtype
+from job.target_weights import decoder_stack, torch_dtype
 
 
 class HiddenStateCheckError(Verdict, RuntimeError):

@@ -59,19 +59,6 @@ def register_packed_attention() -> None:
     AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None)  # no mask: cu_seq_lens say it
 
 
-def decoder_stack(model):
-    """The module holding `embed_tokens`, `layers` and `norm` (Qwen3Model inside Qwen3ForCausalLM, a
-    multimodal model's language model, ...): calling it runs embeddings + decoder layers, never the LM head."""
-    import torch  # heavy: imported on use
-
-    for _, module in model.named_modules():
-        if (isinstance(getattr(module, "layers", None), torch.nn.ModuleList) and hasattr(module, "norm")
-                and hasattr(module, "embed_tokens")):
-            return module
-    raise ValueError(f"{type(model).__name__}: no decoder stack (a module with embed_tokens, layers, norm) found; "
-                     "the transformers backend supports Llama/Qwen-style decoder models")
-
-
 # Sequence mixers a packed batch keeps apart, by the model config's `layer_types` (Qwen3, Llama: every layer
 # "full_attention"). Full attention runs through `_packed_attention` (causal within each sequence). A Gated DeltaNet
 # layer (Qwen3.5/3.6 "linear_attention") carries a causal conv1d and a recurrent state along the sequence, and

@@ -16,6 +16,7 @@ import pyarrow.ipc as ipc
 from job import scan, schema, storage
 from job.hidden_states import fp8
 from job.hidden_states.samples import Sample
+from job.target_weights import torch_dtype
 
 # ---------------------------------------------------------------------------------------------------------------
 # Arrow: the hidden-state shard schema, features → table → IPC bytes, and back (zero-copy)
@@ -62,17 +63,6 @@ def table_to_ipc(table: pa.Table) -> pa.Buffer:
     with ipc.new_file(pa.FixedSizeBufferWriter(buf), table.schema) as w:
         w.write_table(table)
     return buf
-
-
-def torch_dtypes() -> dict:
-    import torch  # heavy: imported on use
-
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-            "float8_e4m3fn": torch.float8_e4m3fn}
-
-
-def torch_dtype(name: str):
-    return torch_dtypes()[name]
 
 
 def record_dtype(stored: str) -> str:

@@ -44,7 +44,6 @@ from job.hidden_states.fusion import fused_attention_forward, fused_layer_forwar
 from job.hidden_states.packing import (
     PACKABLE_LAYERS,
     PACKED_ATTENTION,
-    decoder_stack,
     packed_attention_available,
     packing_problem,
     register_packed_attention,
@@ -53,7 +52,7 @@ from job.hidden_states.packing import (
     varlen_gdn_problem,
 )
 from job.hidden_states.samples import BufferPool, PartFeatures, RunStats, Sample, plan_batches
-from job.hidden_states.shards import torch_dtype, torch_dtypes
+from job.target_weights import decoder_stack, torch_dtype, torch_dtypes
 
 # ---------------------------------------------------------------------------------------------------------------
 # The transformers backend

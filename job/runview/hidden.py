@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from job import scan, schema, storage
 from job.formatting import format_bytes
 from job.hidden_states import load
-from job.hidden_states.run import storage_layout
+from job.hidden_states.plan import storage_layout
 from job.runview.notebook import fetch_rows, run_overview
 from job.schema import BYTES_PER_TOKEN_EXTRA
 from job.storage import StorageConfig

@@ -128,8 +128,8 @@ def build_model(args):
 
 def target_final_norm(model_dir: str):
     """The target's own final norm module (its class, built on the meta device from its config) with the
-    checkpoint's weight, in float32, on the CPU: the export's loader (job/export/norm.py), the one lookup of it."""
-    from job.export.norm import load_final_norm  # heavy (torch, transformers): imported on use
+    checkpoint's weight, in float32, on the CPU (job/target_weights.py: the export's and this one lookup of it)."""
+    from job.target_weights import load_final_norm  # heavy (torch, transformers): imported on use
 
     return load_final_norm(model_dir, "float32").requires_grad_(False)
 
