@@ -103,7 +103,7 @@ def log_engine_stats() -> None:
 
     from job.generate.engine import CompletionGenerator
 
-    if getattr(CompletionGenerator, "_bench_stats", False):
+    if getattr(CompletionGenerator, "bench_stats_installed", False):
         return
     interval = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "2"))
     log = logging.getLogger("bench.engine_stats")
@@ -122,7 +122,7 @@ def log_engine_stats() -> None:
             yield out
 
     CompletionGenerator.__call__ = __call__
-    CompletionGenerator._bench_stats = True
+    CompletionGenerator.bench_stats_installed = True
 
 
 def run_stage1(config) -> dict:

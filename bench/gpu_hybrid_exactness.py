@@ -49,9 +49,9 @@ def samples_of(lengths, vocab, seed=0):
 def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence", fuse="off"):
     import torch
 
-    original = TransformersExtractor._per_sequence
+    original = TransformersExtractor.per_sequence
     if leak:
-        TransformersExtractor._per_sequence = lambda self, mixer, forward: forward
+        TransformersExtractor.per_sequence = lambda self, mixer, forward: forward
     ex = TransformersExtractor(model, layer_ids=layer_ids, batch_tokens=65536, attention=attention,
                                gdn="per_sequence" if leak or attention == "padded" else gdn, fuse=fuse)
     started = time.perf_counter()
@@ -63,7 +63,7 @@ def measure(model, samples, layer_ids, attention, leak=False, gdn="per_sequence"
     ref = reference_features(model, part.samples, layer_ids)
     diffs = compare(part.samples, got, ref, layer_ids)
     ex.close()
-    TransformersExtractor._per_sequence = original
+    TransformersExtractor.per_sequence = original
     by_order = {s.id: i for i, s in enumerate(part.samples)}
     layout = ex.attention + (" without per-sequence GDN (old)" if leak else f", GDN {ex.gdn}" if ex.packed else "")
     layout += f", fused {ex.fuse}" if ex.fuse != "off" else ""

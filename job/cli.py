@@ -353,7 +353,8 @@ def _dispatch(args) -> int:
         print(json.dumps(st, indent=2) if args.json else format_status(st))
         return 0
     if args.command == "plan":
-        from job.runview.plan import format_plan, plan_from_flags  # per command: --help stays fast
+        from job.runview.plan import format_plan  # per command: --help stays fast
+        from job.runview.plan_inputs import plan_from_flags  # per command: --help stays fast
 
         estimate, measured = plan_from_flags(args, _storage(args))
         print(json.dumps({**estimate, "measured": measured}, indent=2, default=str) if args.json

@@ -102,36 +102,50 @@ class EngineCensus:
 
 
 class CensusBook:
-    """The Ray actor (created by `StageCensus`, no CPU) that a stage's actors report to when they have started."""
+    """The Ray actor (created by `StageCensus`, no CPU, on the driver's node) that a stage's actors report to: when
+    they start (with their own handle, so the stage can stop them) and when they are ready."""
 
     def __init__(self):
         self.arrivals: list[tuple[str, str, bool]] = []
+        self.ready_ids: set[str] = set()
+        self.handles: dict[str, object] = {}
 
-    def arrive(self, actor_id: str, node_id: str, restarted: bool) -> None:
+    def arrive(self, actor_id: str, node_id: str, restarted: bool, handle) -> None:
         self.arrivals.append((actor_id, node_id, restarted))
+        self.handles[actor_id] = handle
 
-    def read(self) -> list[tuple[str, str, bool]]:
-        return list(self.arrivals)
+    def ready(self, actor_id: str) -> None:
+        self.ready_ids.add(actor_id)
+
+    def read(self) -> tuple[list[tuple[str, str, bool]], set[str]]:
+        return list(self.arrivals), set(self.ready_ids)
+
+    def take_handles(self) -> list:
+        handles, self.handles = list(self.handles.values()), {}
+        return handles
 
 
 class StageCensus:
-    """This stage's engine (or extractor) actors, counted from what they report, through public Ray APIs only: each
-    actor, once started, tells the census its actor id, its node and whether Ray restarted it
-    (`report_arrival`); the census asks Ray which nodes are alive. An actor restarted after its process or node
-    died reports again (`restarted`): one engine lost, one replaced. An actor whose node died and that has not
-    reported again is lost and not (yet) replaced. Another stage's or another dataset's actors never report here.
+    """This stage's engine (or extractor) actors, counted from what they report, and stopped through their own
+    handles: public Ray APIs only. Each actor tells the census when it starts (its actor id, its node, whether Ray
+    restarted it, its handle: `report_arrival`) and when it is ready (`report_ready`); the census asks Ray which nodes
+    are alive. An actor restarted after its process or node died reports again (`restarted`): one engine lost, one
+    replaced. Another stage's or another dataset's actors never report here, so `stop_actors` never touches them.
     Called with no argument it gives an `EngineCensus` (Progress's `engines_fn`); None when it cannot be read."""
 
     def __init__(self):
         import ray  # heavy: imported on use
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # heavy: imported on use
 
-        self.book = ray.remote(num_cpus=0, max_restarts=0)(CensusBook).remote()
+        # On the driver's node: it lives as long as the driver (a worker node that dies would take the book along).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.book = ray.remote(num_cpus=0, max_restarts=0, scheduling_strategy=here)(CensusBook).remote()
 
     def __call__(self) -> EngineCensus | None:
         import ray  # heavy: imported on use
 
         try:
-            arrivals = ray.get(self.book.read.remote(), timeout=10)
+            arrivals, ready = ray.get(self.book.read.remote(), timeout=10)
         except Exception:  # Ray going down, or the book gone with the stage
             return None
         live = {n["NodeID"] for n in alive_nodes()}
@@ -139,9 +153,28 @@ class StageCensus:
         for actor_id, node_id, _ in arrivals:
             latest[actor_id] = node_id
         restarts = sum(1 for _, _, restarted in arrivals if restarted)
-        alive = [a for a, node in latest.items() if node in live]
-        return EngineCensus(alive=len(alive), nodes=len({latest[a] for a in alive}),
-                            lost=restarts + len(latest) - len(alive), replaced=restarts)
+        alive = [a for a, node in latest.items() if node in live and a in ready]
+        lost_now = sum(1 for node in latest.values() if node not in live)
+        return EngineCensus(alive=len(alive), nodes=len({latest[a] for a in alive}), lost=restarts + lost_now,
+                            replaced=restarts)
+
+    def stop_actors(self) -> int:
+        """Kill this stage's actors (those starting included) through the handles they reported; returns how many.
+        For a stage that ends on an error: Ray Data lets go of a failed dataset's actors only when its executor is
+        collected (measured: an engine actor still alive 40 s after the error), and a driver that lives on (a
+        notebook, a test session) would keep the engine and its memory (a GPU on a cluster)."""
+        import ray  # heavy: imported on use
+
+        try:
+            handles = ray.get(self.book.take_handles.remote(), timeout=10)
+        except Exception:  # Ray going down: its actors go with it
+            return 0
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # gone meanwhile
+                pass
+        return len(handles)
 
     def close(self) -> None:
         import ray  # heavy: imported on use
@@ -153,10 +186,19 @@ class StageCensus:
 
 
 def report_arrival(book) -> None:
-    """In a stage's actor, once it has started: tell the stage's census (`StageCensus.book`; None: no census)."""
+    """In a stage's actor, first thing: tell the stage's census (`StageCensus.book`; None: no census) who and where it
+    is, with its handle (so the stage can stop it even while it starts)."""
     if book is None:
         return
     import ray  # heavy: imported on use
 
     ctx = ray.get_runtime_context()
-    book.arrive.remote(ctx.get_actor_id(), ctx.get_node_id(), ctx.was_current_actor_reconstructed)
+    book.arrive.remote(ctx.get_actor_id(), ctx.get_node_id(), ctx.was_current_actor_reconstructed, ctx.current_actor)
+
+
+def report_ready(book) -> None:
+    """In a stage's actor, once it has started (its engine loaded, its self-check passed)."""
+    if book is not None:
+        import ray  # heavy: imported on use
+
+        book.ready.remote(ray.get_runtime_context().get_actor_id())

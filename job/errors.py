@@ -45,6 +45,10 @@ def job_error_inside(e: BaseException | None) -> JobError | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        # Ray's RayTaskError(StorageError) is both: an instance of the error's class whose message is Ray's whole
+        # traceback. Its `cause` is the error as it was raised.
+        if isinstance(getattr(e, "cause", None), JobError):
+            return e.cause
         if isinstance(e, JobError):
             return e
         text = str(e)

@@ -174,6 +174,11 @@ class Fence:
         with self.guard():
             storage.move(uri, to_uri, self.storage_config)
 
+    def clear_temp_files(self, uri: str) -> int:
+        """Delete the temp files killed writers left under `uri` (local only: S3 writes leave none)."""
+        with self.guard():
+            return storage.remove_temp_files(uri)
+
     def __getstate__(self):
         return {"uri": self.uri, "owner": self.owner, "epoch": self.epoch, "storage_config": self.storage_config}
 

@@ -7,10 +7,10 @@ driver follows it. job/stage.py's `run_stage` uses these in order; nothing here 
   the secrets travel in the actor's constructor arguments and are set in its own process.
 - `map_units`: one block per unit, so each unit is its own task; an actor runs `units_per_actor` of them at once,
   and a replaced actor retries exactly its own units.
-- `follow`: consumes the per-unit summaries. However it ends it closes the progress line; on an error it closes the
-  dataset's iterator, which shuts Ray Data's executor down and kills exactly this dataset's actors through the
-  handles Ray Data holds (`ray.kill`, ray/data/iterator.py `_on_iteration_end`): another dataset's actors, a
-  notebook's, live on. A JobError raised inside an actor comes out with its own message (`job_errors_surface`).
+- `follow`: consumes the per-unit summaries. However it ends it closes the progress line; on an error (or a verdict)
+  it closes the dataset's iterator, so Ray Data's executor submits no more units. (The stage runner then stops the
+  stage's actors through the handles they reported: job/cluster.py `StageCensus.stop_actors`.) A JobError raised
+  inside an actor comes out with its own message (`job_errors_surface`).
 """
 
 from __future__ import annotations
@@ -176,10 +176,9 @@ def map_units(units: list, stage: ActorStage):
 def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Callable[[dict], None]) -> None:
     """Consume the per-unit summary rows as units finish. The progress line stops however this ends; a JobError
     raised inside an actor is raised here with its own message, not Ray's traceback. On an error (or a verdict of
-    `on_summary`) the dataset's iterator is closed first: Ray Data's executor stops submitting units and kills this
-    dataset's actors (a notebook's Ray, the tests' or a cluster would otherwise keep the engines), so the error is
-    the last thing printed (left open, the executor kept submitting units to the actors being torn down and printed
-    "submit failed ... killed by ray.kill" lines after the verdict)."""
+    `on_summary`) the dataset's iterator is closed first, so Ray Data's executor stops submitting units and the error
+    is the last thing printed (left open, the executor kept submitting units to the actors being torn down and
+    printed "submit failed ... killed by ray.kill" lines after the verdict)."""
     rows = iter(summaries)
     with tracker, job_errors_surface():
         try:
@@ -189,7 +188,7 @@ def follow(summaries: Iterable[dict], tracker: progress.Progress, on_summary: Ca
             close = getattr(rows, "close", None)
             if close is not None:
                 try:
-                    close()  # its `finally` shuts the streaming executor down (force: ray.kill of its actors)
+                    close()  # its `finally` shuts the streaming executor down
                 except Exception:  # the stage's own error is the one to report
                     pass
             raise

@@ -149,6 +149,9 @@ def _run_units(stage: Stage, ray_session: RaySession, units: list, pending: list
             stage.take(summary)
 
         follow(map_units(pending, actors).iter_rows(), tracker, take)
+    except BaseException:
+        census.stop_actors()  # through the handles they reported: a failed dataset's actors would linger
+        raise
     finally:
         census.close()
 
@@ -169,7 +172,7 @@ def writing(config: RunConfig, stage_key: str, directory: str, *, take_lock: boo
     and delete of the stage commits; the temp files a killed writer left in `directory` are cleared first (nobody
     else writes there while we hold the lock)."""
     with lock.WriterLock(config, stage_key, take_over=take_lock) as held:
-        storage.remove_temp_files(storage.join(config.output, directory))
+        held.fence.clear_temp_files(storage.join(config.output, directory))
         yield held.fence
 
 

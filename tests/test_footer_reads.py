@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from job import storage
+from job import shard_reads, storage
 
 COLUMNS = ["num_output_tokens", "error"]
 
@@ -26,15 +26,15 @@ def shard_bytes(rows: int = 128, tokens: int = 2000) -> bytes:
 
 def test_tail_file_serves_the_footer_from_the_tail_and_columns_in_few_fetches():
     data = shard_bytes()
-    assert len(data) > storage.FOOTER_READ_BYTES + storage.READ_AHEAD_BYTES  # the columns lie outside the tail
+    assert len(data) > shard_reads.FOOTER_READ_BYTES + shard_reads.READ_AHEAD_BYTES  # the columns lie outside the tail
     fetches = []
 
     def fetch(offset, n):
         fetches.append((offset, n))
         return data[offset:offset + n]
 
-    tail = data[-storage.FOOTER_READ_BYTES:]
-    f = pa.PythonFile(storage.TailFile(len(data), tail, fetch), mode="r")
+    tail = data[-shard_reads.FOOTER_READ_BYTES:]
+    f = pa.PythonFile(shard_reads.TailFile(len(data), tail, fetch), mode="r")
     reader = ipc.open_file(f)
     assert reader.schema.metadata == {b"shard_id": b"abc"} and fetches == []  # the footer: no read beyond the tail
     wanted = [reader.schema.names.index(c) for c in COLUMNS]
@@ -42,7 +42,7 @@ def test_tail_file_serves_the_footer_from_the_tail_and_columns_in_few_fetches():
     assert got.equals(ipc.open_file(pa.BufferReader(data)).read_all().select(COLUMNS))
     # The record batch's header, then the small columns side by side: one fetch each, not one per buffer.
     assert len(fetches) <= 2, fetches
-    assert all(offset + n <= len(data) - len(tail) or n <= storage.READ_AHEAD_BYTES for offset, n in fetches)
+    assert all(offset + n <= len(data) - len(tail) or n <= shard_reads.READ_AHEAD_BYTES for offset, n in fetches)
 
 
 @pytest.mark.parametrize("cut", [1, 9, 5000])
@@ -50,28 +50,28 @@ def test_a_truncated_shard_has_no_footer(tmp_path, cut):
     path = tmp_path / "f00000-r0000000000-0000000128.arrow"
     path.write_bytes(shard_bytes(rows=8, tokens=10)[:-cut])
     with pytest.raises(pa.ArrowInvalid):
-        storage.read_shard_schema(str(path))
+        shard_reads.read_shard_schema(str(path))
 
 
 def test_local_footer_columns_and_refusals(tmp_path):
     path = tmp_path / "s.arrow"
     data = shard_bytes()
     path.write_bytes(data)
-    assert storage.read_shard_schema(str(path)).metadata == {b"shard_id": b"abc"}
+    assert shard_reads.read_shard_schema(str(path)).metadata == {b"shard_id": b"abc"}
     whole = ipc.open_file(pa.BufferReader(data)).read_all()
-    assert storage.read_shard_columns(str(path), [*COLUMNS, "absent"]).equals(whole.select(COLUMNS))
+    assert shard_reads.read_shard_columns(str(path), [*COLUMNS, "absent"]).equals(whole.select(COLUMNS))
     (tmp_path / "empty.arrow").write_bytes(b"")
     with pytest.raises(pa.ArrowInvalid):
-        storage.read_shard_schema(str(tmp_path / "empty.arrow"))
+        shard_reads.read_shard_schema(str(tmp_path / "empty.arrow"))
     with pytest.raises(FileNotFoundError):
-        storage.read_shard_schema(str(tmp_path / "gone.arrow"))
+        shard_reads.read_shard_schema(str(tmp_path / "gone.arrow"))
     # A local file's columns are read by pyarrow itself: the same refusals as the footer's.
     (tmp_path / "cut.arrow").write_bytes(data[:-100])
     for bad in ("cut.arrow", "empty.arrow"):
         with pytest.raises(pa.ArrowInvalid):
-            storage.read_shard_columns(str(tmp_path / bad), COLUMNS)
+            shard_reads.read_shard_columns(str(tmp_path / bad), COLUMNS)
     with pytest.raises(FileNotFoundError):
-        storage.read_shard_columns(str(tmp_path / "gone.arrow"), COLUMNS)
+        shard_reads.read_shard_columns(str(tmp_path / "gone.arrow"), COLUMNS)
 
 
 def test_s3_footer_columns_json_and_refusals(s3_server, s3_bucket):
@@ -81,20 +81,20 @@ def test_s3_footer_columns_json_and_refusals(s3_server, s3_bucket):
                       ("cut.arrow", data[:-100]), ("empty.arrow", b""), ("m.json", b'{"a": 1}')):
         client.put_object(Bucket=s3_bucket, Key=f"run/{key}", Body=body)
     uri = f"s3://{s3_bucket}/run"
-    assert storage.read_tail(f"{uri}/big.arrow", 10) == (data[-10:], len(data))
-    assert storage.read_shard_schema(f"{uri}/big.arrow").metadata == {b"shard_id": b"abc"}
-    assert storage.read_shard_schema(f"{uri}/small.arrow").metadata == {b"shard_id": b"abc"}  # smaller than a tail
+    assert shard_reads.read_tail(f"{uri}/big.arrow", 10) == (data[-10:], len(data))
+    assert shard_reads.read_shard_schema(f"{uri}/big.arrow").metadata == {b"shard_id": b"abc"}
+    assert shard_reads.read_shard_schema(f"{uri}/small.arrow").metadata == {b"shard_id": b"abc"}  # smaller than a tail
     whole = ipc.open_file(pa.BufferReader(data)).read_all()
-    assert storage.read_shard_columns(f"{uri}/big.arrow", COLUMNS).equals(whole.select(COLUMNS))
+    assert shard_reads.read_shard_columns(f"{uri}/big.arrow", COLUMNS).equals(whole.select(COLUMNS))
     assert storage.read_json(f"{uri}/m.json") == {"a": 1}
     # A whole object of ~1 MB (pyarrow's input stream would read it in ~256 KB pieces; read_bytes opens it as
     # a file of known size): every byte, once.
     assert len(data) > 2 * 256 * 1024 and storage.read_bytes(f"{uri}/big.arrow") == data
     for bad in ("cut.arrow", "empty.arrow"):
         with pytest.raises(pa.ArrowInvalid):
-            storage.read_shard_schema(f"{uri}/{bad}")
+            shard_reads.read_shard_schema(f"{uri}/{bad}")
     with pytest.raises(FileNotFoundError):
-        storage.read_shard_schema(f"{uri}/gone.arrow")
+        shard_reads.read_shard_schema(f"{uri}/gone.arrow")
     with pytest.raises(FileNotFoundError):
         storage.read_json(f"{uri}/gone.json")
 
@@ -114,9 +114,10 @@ def test_one_s3_client_per_endpoint_and_credentials(monkeypatch):
 def test_footer_schema_from_the_tail_alone():
     data = shard_bytes()
     whole = ipc.open_file(pa.BufferReader(data)).schema
-    assert storage.footer_schema(data[-storage.FOOTER_READ_BYTES:], len(data)).equals(whole, check_metadata=True)
-    assert storage.footer_schema(data, len(data)).equals(whole, check_metadata=True)
-    assert storage.footer_schema(data[-20:], len(data)) is None  # the footer is longer than the tail: read more
-    assert storage.footer_schema(data[-1000:-5], len(data) - 5) is None  # no magic at the end: not a whole file
+    tail = data[-shard_reads.FOOTER_READ_BYTES:]
+    assert shard_reads.footer_schema(tail, len(data)).equals(whole, check_metadata=True)
+    assert shard_reads.footer_schema(data, len(data)).equals(whole, check_metadata=True)
+    assert shard_reads.footer_schema(data[-20:], len(data)) is None  # the footer is longer than the tail: read more
+    assert shard_reads.footer_schema(data[-1000:-5], len(data) - 5) is None  # no magic at the end: not a whole file
     with pytest.raises((pa.ArrowInvalid, OSError), match="[Ff]ooter"):  # the magic, garbage before it: as pyarrow
-        storage.footer_schema(b"\xff" * 1000 + (100).to_bytes(4, "little") + b"ARROW1", 10 ** 6)
+        shard_reads.footer_schema(b"\xff" * 1000 + (100).to_bytes(4, "little") + b"ARROW1", 10 ** 6)

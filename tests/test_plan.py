@@ -10,7 +10,7 @@ import pytest
 from test_status import steady_shards, write_run
 
 from job import cli
-from job.runview import plan
+from job.runview import plan, plan_inputs
 from job.runview.plan import PlanInputs, estimate
 
 REAL_RUN = ["--prompts", "914000", "--tokens-per-prompt", "2500", "--gpus", "7", "--tokens-per-s-per-gpu", "2000",
@@ -63,7 +63,7 @@ def test_from_a_run_with_recorded_throughput(tmp_path, capsys):
     # job/generate/run.py writes it when a job completes).
     write_run(run, steady_shards(10, tokens=250), total_rows=40,
               generate={"status": "complete", "num_engines": 2, "output_tokens_per_s": 4000.0})
-    m = plan.measure_run(run)
+    m = plan_inputs.measure_run(run)
     assert m["output_tokens_per_prompt"] == 250 and m["prompt_tokens_per_prompt"] == 10
     assert m["output_tokens_per_s_per_gpu"] == 2000 and m["num_gpus"] == 2
     assert m["completion_bytes_per_prompt"] > 0
@@ -127,9 +127,9 @@ def test_from_bench_file(capsys):
 def test_from_bench_accepts_bench_generate_results_and_refuses_others(tmp_path, capsys):
     raw = tmp_path / "stage1.json"  # a bench/bench_generate.py RESULT line: two GPUs' tokens over the window
     raw.write_text(json.dumps({"rows": 256, "output_tokens": 400_000, "generation_s": 100.0, "num_gpus": 2}))
-    assert plan.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 2000
+    assert plan_inputs.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 2000
     raw.write_text(json.dumps({"tok_per_s_window": 3000.0}))
-    assert plan.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 3000
+    assert plan_inputs.read_bench(str(raw))["output_tokens_per_s_per_gpu"] == 3000
     for content, expected in (({"gpu": "H200"}, "has none of tokens_per_s_per_gpu"), ([1, 2], "a JSON object"),
                               ("{not json", "not JSON")):
         raw.write_text(content if isinstance(content, str) else json.dumps(content))

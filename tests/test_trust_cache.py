@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from job import layout, rows_cache, scan, schema, stage, storage, trust_cache
+from job import layout, rows_cache, scan, schema, shard_reads, stage, storage, trust_cache
 from job.config import RunConfig
 from job.trust_cache import Entries
 
@@ -93,7 +93,9 @@ def footer_reads(monkeypatch):
         reads.append(shard.name)
         return real(shard, storage_config)
 
-    monkeypatch.setattr(scan, "check_completion_shard", counted)
+    from job.scan import completions  # where judge_completion_shards calls it
+
+    monkeypatch.setattr(completions, "check_completion_shard", counted)
     return reads
 
 
@@ -229,8 +231,8 @@ def test_the_rows_cache_serves_every_unchanged_shard_and_reads_the_changed_ones(
     for n in names:
         _shard(storage.join(completions, n))
     reads: list[str] = []
-    real = storage.read_shard_columns
-    monkeypatch.setattr(storage, "read_shard_columns",
+    real = shard_reads.read_shard_columns
+    monkeypatch.setattr(shard_reads, "read_shard_columns",
                         lambda uri, cols, cfg=None: reads.append(uri) or real(uri, cols, cfg))  # counted
     direct = scan.read_columns(run, shards=[storage.join(completions, n) for n in names])  # never the cache
     assert len(reads) == 4 and not storage.exists(rows_cache.uri_of(run)), "readers write no cache"

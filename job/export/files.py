@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from job import layout, scan, schema, storage, target
+from job import layout, scan, schema, shard_reads, storage, target
 from job.config import ConfigError
 from job.export.conversations import export_conversations
 from job.export.manifest import draft_config as checked_draft_config
@@ -108,7 +108,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     they must agree (one run, one way of extracting)."""
     seen = None
     for uri in shard_uris[:1] + shard_uris[-1:]:
-        m = scan.hidden_state_meta(storage.read_shard_schema(uri, storage_config).metadata)
+        m = scan.hidden_state_meta(shard_reads.read_shard_schema(uri, storage_config).metadata)
         layout = (m.layer_ids, m.num_model_layers, m.last_layer_norm, m.model, m.dtype)
         if seen is not None and layout != seen:
             raise ExportError(f"export: shards of one run disagree on their layers ({seen} vs {layout}): stage 2 "
@@ -130,25 +130,10 @@ def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def export(run: str, *, to: str, format: str, output: str, layers: list[int] | None = None,
-           draft_vocab_size: int | None = None, target_vocab_size: int | None = None, loss_turns: str | None = None,
-           draft_config: dict | None = None, model: str | None = None,
-           storage_config: storage.StorageConfig | None = None) -> dict:
-    """Write a run in a trainer's format under `output` (local or s3://); returns the manifest also written to
-    `output/export.json` (job/export/manifest.py: the target, layer ids in both conventions, norm, dtype, counts and
-    a ready draft-model config). File names are deterministic and each is written atomically: a rerun rewrites the
-    same files, never a second copy. `draft_config`: the user's own draft-model config, refused (before anything is
-    written) when its layer ids disagree with the export's; default: one made for this export. `model`: the target's
-    directory on this machine (default: the path the run recorded).
-
-    One function (~100 lines, over the project's ~80) because it is one pass: the plan and its refusals before
-    anything is written, then every shard's samples through both trainers' writers sharing one set of counters (the
-    vocabulary counts, kept and dropped ids, tokens), then each trainer's side files from those counters."""
-    inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
-    if output.rstrip("/") == run.rstrip("/") or inside:
-        raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
-    if to == "specforge" and format == "conversations":
-        return export_conversations(run, output=output, storage_config=storage_config)
+def _plan_export(run: str, to: str, format: str, layers, draft_vocab_size, target_vocab_size, loss_turns,
+                 draft_config, model, storage_config):
+    """(the done hidden-state parts, the plan, the manifest's fields, (draft, target) vocabulary sizes), every
+    refusal made before anything is written."""
     shard_uris = [uri for uri, _ in scan.done_hidden_state_parts(run, storage_config)]  # stage 2's "done" rule
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
@@ -173,6 +158,32 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     if stored_dtype != dtype:
         fields["stored_dtype"] = stored_dtype
     fields["draft_config"] = checked_draft_config(plan, fields, draft_config)  # before anything is written
+
+    return shard_uris, plan, fields, (draft_vocab_size, target_vocab_size)
+
+
+def export(run: str, *, to: str, format: str, output: str, layers: list[int] | None = None,
+           draft_vocab_size: int | None = None, target_vocab_size: int | None = None, loss_turns: str | None = None,
+           draft_config: dict | None = None, model: str | None = None,
+           storage_config: storage.StorageConfig | None = None) -> dict:
+    """Write a run in a trainer's format under `output` (local or s3://); returns the manifest also written to
+    `output/export.json` (job/export/manifest.py: the target, layer ids in both conventions, norm, dtype, counts and
+    a ready draft-model config). File names are deterministic and each is written atomically: a rerun rewrites the
+    same files, never a second copy. `draft_config`: the user's own draft-model config, refused (before anything is
+    written) when its layer ids disagree with the export's; default: one made for this export. `model`: the target's
+    directory on this machine (default: the path the run recorded).
+
+    One pass: the plan and its refusals before anything is written (`_plan_export`), then every shard's samples
+    through both trainers' writers sharing one set of counters (the vocabulary counts, kept and dropped ids,
+    tokens), then each trainer's side files from those counters."""
+    inside = [a for a, b in ((output, run), (run, output)) if a.rstrip("/").startswith(b.rstrip("/") + "/")]
+    if output.rstrip("/") == run.rstrip("/") or inside:
+        raise ExportError(f"export: --output {output} must lie outside the run directory {run} (and not hold it)")
+    if to == "specforge" and format == "conversations":
+        return export_conversations(run, output=output, storage_config=storage_config)
+    shard_uris, plan, fields, vocab = _plan_export(run, to, format, layers, draft_vocab_size, target_vocab_size,
+                                                   loss_turns, draft_config, model, storage_config)
+    draft_vocab_size, target_vocab_size = vocab
 
     written: set[str] = set()  # names relative to `output`; anything else of the trainer's is removed at the end
     writer = BackgroundWriter(max_pending=8)

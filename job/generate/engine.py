@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from job import layout, pipeline, scan, schema, storage
-from job.cluster import model_missing_here, report_arrival
+from job.cluster import model_missing_here, report_arrival, report_ready
 from job.config import RunConfig, from_dict
 from job.generate import engine_sizing, inputs, prompts, quality
 from job.generate.engine_start import (
@@ -107,6 +107,7 @@ class CompletionGenerator:
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
         # this process only; and everything this actor prints redacted.
         pipeline.apply_secrets(config)
+        report_arrival(census)  # the stage can count and stop this actor from now on
 
         # Before the heavy imports: a node without the model fails in seconds. `load_format: dummy` (benchmarks)
         # needs no weight files.
@@ -157,7 +158,7 @@ class CompletionGenerator:
             self.max_rows_in_flight = gen.max_rows_in_flight or 256  # no engine to keep full: any number will do
         else:
             self._start(gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind)
-        report_arrival(census)
+        report_ready(census)
 
     def _start(self, gen, AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind) -> None:
         problem = known_engine_problem(self.config.model, self.config.engine_kwargs,

@@ -2,7 +2,7 @@
 stored at reports/generate.json when stage 1 ends (as stage 2 stores its own), printed by `python -m job report`.
 
 Built from the completion shards committed so far, so `python -m job report RUN` works on a finished run and on
-one still running. Reads only the small columns (no token lists, job/scan.py), so it stays cheap on a 1M-row run.
+one still running. Reads only the small columns (no token lists, job/scan/), so it stays cheap on a 1M-row run.
 """
 
 from __future__ import annotations

@@ -4,22 +4,18 @@ unit → each unit's summary taken (summary.py: totals, canary) → the report (
 
 from __future__ import annotations
 
-import logging
 import uuid
 
-from job import layout, storage
+from job import layout
 from job.config import RunConfig, to_dict
 from job.generate import completions, preflight, prompts
 from job.generate.engine import CompletionGenerator
-from job.generate.report import write_report
-from job.generate.summary import CanaryFailed, GenerateSummary, UnitTotals
+from job.generate.summary import CanaryFailed, GenerateSummary, UnitTotals, store_report
 from job.generate.units import Coverage, plan_units
 from job.pipeline import ActorStage, runtime_env
 from job.stage import Stage, run_stage
 
 __all__ = ["run_generate", "GenerateStage", "GenerateSummary", "CanaryFailed"]
-
-log = logging.getLogger("job.generate")
 
 
 class GenerateStage(Stage):
@@ -73,17 +69,8 @@ class GenerateStage(Stage):
                    "output_tokens_per_s": s.output_tokens_per_s, "num_engines": self.pool[0]}
 
     def report(self, summary: GenerateSummary, fence) -> None:
-        if summary.already_complete:
-            return
-        c = self.config
-        # The shards remembered (S3): the next command reads no footer. The same judgement serves the report.
-        found = completions.remember_shards(c, fence)
-        try:
-            summary.quality = write_report(c.output, fence, found=found)
-            summary.report = storage.join(c.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
-        except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
-            log.warning("the run is complete but its report could not be written (%s); `python -m job report %s` "
-                        "makes it later", e, c.output)
+        if not summary.already_complete:
+            store_report(self.config, summary, fence)
 
 
 def run_generate(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False,

@@ -3,14 +3,18 @@ trust cache kept fresh) and the summary it returns."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
-from job import errors, lock, run_record
+from job import errors, layout, lock, run_record, storage
 from job.config import RunConfig
 from job.generate import quality
 from job.generate.completions import CACHE_REFRESH_S, remember_shards
+from job.generate.report import write_report
 from job.stage import StageSummary
+
+log = logging.getLogger("job.generate")
 
 
 class CanaryFailed(errors.Verdict):
@@ -85,3 +89,15 @@ class UnitTotals:
 
     def window(self) -> float:
         return time.monotonic() - self.window_start if self.window_start else 0.0
+
+
+def store_report(config: RunConfig, summary: GenerateSummary, fence: lock.Fence) -> None:
+    """At the end, after run.json says complete: the shards remembered (S3: the next command reads no footer) and,
+    from the same judgement, the report stored at reports/generate.json through the fence."""
+    found = remember_shards(config, fence)
+    try:
+        summary.quality = write_report(config.output, fence, found=found)
+        summary.report = storage.join(config.output, layout.REPORTS_DIR, layout.GENERATE_REPORT)
+    except storage.StorageError as e:  # every shard is committed: a report that cannot be read now is no failure
+        log.warning("the run is complete but its report could not be written (%s); `python -m job report %s` makes "
+                    "it later", e, config.output)

@@ -13,8 +13,8 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from job import layout, pipeline, schema, storage
-from job.cluster import model_missing_here, report_arrival
+from job import layout, pipeline, schema, shard_reads, storage
+from job.cluster import model_missing_here, report_arrival, report_ready
 from job.config import ConfigError, from_dict
 from job.hidden_states import fp8
 from job.hidden_states.checks import (
@@ -54,6 +54,7 @@ class HiddenStateExtractor:
         self.skip_ids = frozenset(skip_ids)
         # First: the secrets among env_vars (never in Ray's runtime_env), in this process only; output redacted.
         pipeline.apply_secrets(config)
+        report_arrival(census)  # the stage can count and stop this actor from now on
         import torch  # heavy: imported on use
 
         self.config = from_dict(config)
@@ -99,7 +100,7 @@ class HiddenStateExtractor:
                                            last_layer_before_norm=hs.last_layer_before_norm)
         self.self_check = self._self_check(check, reference) if check else {}
         self.warnings = list(getattr(self.extractor, "warnings", []))
-        report_arrival(census)
+        report_ready(census)
 
     def _check_samples(self, source: dict) -> list:
         hs = self.config.hidden_states
@@ -155,7 +156,7 @@ class HiddenStateExtractor:
 
     def _made_from(self, uri: str) -> str | None:
         """The completion shard content id a part already there was made from (None: a part from before ids)."""
-        meta = storage.read_shard_schema(uri, self.config.storage).metadata or {}
+        meta = shard_reads.read_shard_schema(uri, self.config.storage).metadata or {}
         return meta[schema.META_SOURCE_SHARD_ID].decode() if schema.META_SOURCE_SHARD_ID in meta else None
 
     def _write(self, unit: HiddenStateUnit):

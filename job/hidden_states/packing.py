@@ -64,7 +64,7 @@ def register_packed_attention() -> None:
 # layer (Qwen3.5/3.6 "linear_attention") carries a causal conv1d and a recurrent state along the sequence, and
 # transformers passes it no sequence boundaries that both honour (its torch chunk rule drops `cu_seqlens`, its conv
 # never gets them: measured 39-69 % error on the first tokens of every sequence but the first of a pack, H200, bf16),
-# so a packed batch runs each such layer once per sequence (`_per_sequence`). Any other mixer (sliding windows,
+# so a packed batch runs each such layer once per sequence (`per_sequence`). Any other mixer (sliding windows,
 # Mamba, ...) has no boundary-safe packed path here: such a model is never packed.
 PACKABLE_LAYERS = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
 

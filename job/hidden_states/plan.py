@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from job import layout, lock, scan, schema, storage, target
+from job import layout, lock, scan, schema, shard_reads, storage, target
 from job.config import ConfigError, RunConfig, resolve_layer_ids
 from job.layout import HiddenStateUnit
 
@@ -139,7 +139,7 @@ def kept_tokens(unit: HiddenStateUnit, config: RunConfig) -> tuple[int, int]:
         if counted is not None:
             return counted
     cols = [schema.NUM_PROMPT_TOKENS, schema.NUM_OUTPUT_TOKENS, schema.ERROR, *schema.QUALITY_FLAGS]
-    t = storage.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
+    t = shard_reads.read_shard_columns(unit.uri, cols, config.storage).slice(0, unit.num_rows)
     return scan.kept_tokens(t, hs.keep_flagged, hs.max_length)
 
 

@@ -148,7 +148,7 @@ class TransformersExtractor:
             for layer in self.stack.layers:
                 mixer = getattr(layer, PACKABLE_LAYERS["linear_attention"], None)
                 if mixer is not None:
-                    mixer.forward = self._per_sequence(mixer, mixer.forward)
+                    mixer.forward = self.per_sequence(mixer, mixer.forward)
                     self._wrapped.append(mixer)
         if self._kernels is not None:  # after the mixers: a fused layer calls them as modules
             def active() -> bool:  # only in this extractor's forwards: a reference forward runs transformers' code
@@ -237,7 +237,7 @@ class TransformersExtractor:
                 raise _StopForward
         return hook
 
-    def _per_sequence(self, mixer, forward):
+    def per_sequence(self, mixer, forward):
         """A packed batch's recurrent mixer runs once per sequence, each alone as in an unbatched forward (no cache,
         no mask, no packing arguments), so its conv and recurrent state start from zero at every sequence. The
         boundaries come from the host (`_segments`): reading them off a device tensor would stall the GPU at

@@ -1,7 +1,7 @@
 """The notebook's hidden-state views: the layout of a run's hidden-state shards, shapes and per-layer statistics
 of the first samples with what a trainer would choke on named, token alignment with the completions, and the
 storage projection for the whole input. Plain functions, as in job/runview/notebook.py (`jh.<name>` in the
-notebook's cells); the reading is job/scan.py's and job/hidden_states.load's.
+notebook's cells); the reading is job/scan/'s and job/hidden_states.load's.
 
     from job.runview import hidden as jh
     print(jh.format_hidden_summary(jh.summarize_hidden_states("demo-run")))
@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from job import scan, schema, storage
+from job import scan, schema, shard_reads
 from job.formatting import format_bytes
 from job.hidden_states import load
 from job.hidden_states.plan import storage_layout
@@ -35,7 +35,7 @@ def hidden_state_layout(run_uri: str, storage_config: StorageConfig | None = Non
     shards = hidden_state_shards(run_uri, storage_config)
     if not shards:
         return None
-    m = scan.hidden_state_meta(storage.read_shard_schema(shards[0], storage_config).metadata)
+    m = scan.hidden_state_meta(shard_reads.read_shard_schema(shards[0], storage_config).metadata)
     return {"model": m.model, "layer_ids": m.layer_ids, "dtype": m.dtype, "hidden_size": m.hidden_size,
             "layer_convention": m.layer_convention, "num_shards": len(shards), "bytes_per_token": m.bytes_per_token}
 

@@ -12,12 +12,12 @@ Compute functions return plain data (dicts, lists, numpy arrays, pyarrow tables)
 data and return a matplotlib `Figure` built with the object API (no pyplot, no GUI backend: they render with Agg,
 headless, and a notebook displays them inline).
 
-Cost on a real run: `read_rows` fetches only the small columns of each shard (job/scan.py: ranged reads, token
+Cost on a real run: `read_rows` fetches only the small columns of each shard (job/scan/: ranged reads, token
 lists and texts stay in the bucket), ~16 columns × 4 bytes per row. Texts are read only for the handful of rows
 shown (`fetch_rows` opens just their shards), and hidden states only for the first `max_samples` samples.
 
 Each section is a compute function next to its `format_*`/`plot_*`; the hidden-state views are in
-job/runview/hidden.py (`jh.<name>`), the reading in job/scan.py, the number formats in job/formatting.py.
+job/runview/hidden.py (`jh.<name>`), the reading in job/scan/, the number formats in job/formatting.py.
 """
 
 from __future__ import annotations

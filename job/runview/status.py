@@ -9,7 +9,7 @@ What it reads:
   holes between done ranges (units lost with a crashed job, redone by the next `generate`);
 - the shard *modification times*: rates and ETA (a shard is written when its whole unit is done);
 - a few small columns of every shard (`num_output_tokens`, `num_prompt_tokens`, `error`, the quality flags), read
-  the way job/scan.py reads them: only those buffers, never the token lists.
+  the way job/scan/ reads them: only those buffers, never the token lists.
 - stage 2's parts and done markers under `hidden_states/` (names parsed by job/layout.py).
 """
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from job import layout, rows_cache, run_record, schema, storage, trust_cache
+from job import layout, rows_cache, run_record, schema, shard_reads, storage, trust_cache
 from job.run_record import RunRecord
 from job.runs import RunError
 from job.storage import StorageConfig
@@ -87,7 +87,7 @@ def read_shard_tables(uris: list[str], columns: list[str], storage_config: Stora
                       num_threads: int = 16) -> list[pa.Table]:
     """`columns` (those each shard has, in that order) of every shard in `uris`, one table per shard."""
     def read(uri: str) -> pa.Table:
-        t = storage.read_shard_columns(uri, columns, storage_config)
+        t = shard_reads.read_shard_columns(uri, columns, storage_config)
         return t.select([c for c in columns if c in t.column_names])
 
     if not uris:
@@ -243,7 +243,7 @@ def check_completion_shard(shard: CompletionShard, storage_config: StorageConfig
     if shard.size == 0:
         return ShardCheck(problem="zero bytes")
     try:
-        s = storage.read_shard_schema(shard.uri, storage_config)
+        s = shard_reads.read_shard_schema(shard.uri, storage_config)
     except (pa.ArrowInvalid, OSError) as e:  # no footer: cut short by a copy, a full disk, a tool
         if isinstance(e, FileNotFoundError):  # moved aside or regenerated since the listing: not ours to judge
             return ShardCheck(read=False)

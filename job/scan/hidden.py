@@ -172,7 +172,7 @@ class HiddenStateMeta:
 
 
 def hidden_state_meta(metadata: dict[bytes, bytes]) -> HiddenStateMeta:
-    """A hidden-state part's schema metadata (`table.schema.metadata`, or `storage.read_shard_schema(uri).metadata`)
+    """A hidden-state part's schema metadata (`table.schema.metadata`, or `shard_reads.read_shard_schema(uri).metadata`)
     decoded; a part that is not one (no layer ids) raises ValueError naming what is missing."""
     meta = metadata or {}
     missing = [k.decode() for k in (schema.META_LAYER_IDS, schema.META_DTYPE, schema.META_HIDDEN_SIZE) if k not in meta]

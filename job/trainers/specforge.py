@@ -197,15 +197,11 @@ def train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: st
         return _train(export_dir, manifest, config, steps, workdir)
 
 
-def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list[dict]:
-    """`train` inside `cpu_training_settings`: SpecForge's run assembled as `specforge train` assembles it, one
-    batch, `steps` steps. One function (~120 lines) because it follows specforge.cli._train step by step."""
-    import torch.distributed as dist  # heavy: imported on use
-    from specforge.application import build_application_run  # the trainers' environment only
+def _specforge_config(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str):
+    """SpecForge's Config of a check run over `export_dir`: a copy of the target, the draft config, the export's
+    vocabulary map, and the settings a CPU needs."""
     from specforge.config import Config  # the trainers' environment only
-    from specforge.distributed import destroy_distributed, init_distributed  # the trainers' environment only
     from specforge.runtime.data_plane.offline_reader import list_feature_files  # the trainers' environment only
-    from specforge.training.strategies.base import StepContext  # the trainers' environment only
 
     fmt = manifest["format"]
     workdir = os.path.abspath(workdir)
@@ -222,7 +218,7 @@ def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: s
     if num_samples == 0:
         raise ValueError(f"{export_dir} holds no SpecForge feature file (*.ckpt)")
 
-    cfg = Config.model_validate(
+    return Config.model_validate(
         {
             "model": {
                 "target_model_path": target_dir,
@@ -257,6 +253,17 @@ def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: s
             "output_dir": os.path.join(workdir, "output"),
         }
     )
+
+
+def _train(export_dir: str, manifest: dict, config: dict, steps: int, workdir: str) -> list[dict]:
+    """`train` inside `cpu_training_settings`: SpecForge's run assembled as `specforge train` assembles it, one
+    batch, `steps` steps, following specforge.cli._train step by step."""
+    import torch.distributed as dist  # heavy: imported on use
+    from specforge.application import build_application_run  # the trainers' environment only
+    from specforge.distributed import destroy_distributed, init_distributed  # the trainers' environment only
+    from specforge.training.strategies.base import StepContext  # the trainers' environment only
+
+    cfg = _specforge_config(export_dir, manifest, config, steps, os.path.abspath(workdir))
 
     # What `specforge train` does before assembly (specforge.cli._train): the sharding env, the seed, a
     # one-process env:// rendezvous, then SpecForge's own distributed init (gloo on CPU). The env is put back

@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 
 from job.trainers.speculators_train import (
-    _import_speculators,
     build_model,
+    import_speculators,
     resolve_args,
     trainer_config,
 )
@@ -34,7 +34,7 @@ class OnlineDraftStep:
     def __init__(self, draft_config: dict, fmt: str, model_dir: str, workdir: str, **overrides):
         import torch  # heavy: imported on use
 
-        _import_speculators()
+        import_speculators()
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
         from speculators.train.optimizers import build_optimizers

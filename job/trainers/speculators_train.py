@@ -25,7 +25,7 @@ from job.trainers import speculators
 from job.trainers.speculators import flat_config
 
 
-def _import_speculators():
+def import_speculators():
     """Import the installed speculators library, never this directory's speculators.py."""
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +60,7 @@ def resolve_args(export_dir: str | None, manifest: dict, config: dict, workdir: 
     TrainConfig.from_sources (flag > default, backend defaults backfilled, validation), as `speculators train`
     resolves its flags. `export_dir` None (training online, job/train_online.py): an empty data directory, so the
     draft vocabulary is the target's whole one unless `overrides` name a token_freq_path."""
-    _import_speculators()
+    import_speculators()
     from speculators.train.config import TrainConfig  # the trainers' environment only
     from speculators.train.config.resolution import _BACKEND_DESTS  # the trainers' environment only
     from speculators.train.config.schema import CONFIG_DESTS  # the trainers' environment only
