@@ -1,5 +1,5 @@
 """Bounded memory when training online (issue 32), measured on CPU: stage 2's stream (job.export.stream, the tiny
-target) into one Ray Train worker through job/train_online.py's DataConfig (split without dropping rows, object
+target) into one Ray Train worker through job/train/data.py's DataConfig (split without dropping rows, object
 store limit), with a consumer that sleeps per sample (slower than stage 2) or does not (faster than stage 2).
 
     PYTHONPATH=. .venv/bin/python bench/bench_train_online.py RUN_DIR [--limit 320] [--slow-s 0.1] \
@@ -112,7 +112,7 @@ def run_case(config, delay: float, bound: int | None) -> dict:
     from ray.train.torch import TorchTrainer
 
     from job.export.stream import stream
-    from job.train_online import exactly_once_data_config
+    from job.train.data import exactly_once_data_config
 
     out = tempfile.mktemp(suffix=".json")
     ds = stream(config, to="speculators", format="eagle3")

@@ -6,7 +6,7 @@
     python -m job report RUN
     python -m job export RUN --to {specforge,speculators} --format {dflash,eagle3,conversations} --output DIR
     python -m job train-check EXPORT_DIR... [--steps 5]      # needs `make trainers`
-    python -m job train-online --config C.yaml --output RUN --to speculators --format eagle3 --storage-path DIR
+    python -m job train RUN --format {eagle3,dflash} [--stream] [--gpus-per-worker 1]
     python -m job status RUN
     python -m job plan [--config C.yaml | --from RUN] --prompts N --tokens-per-prompt T --gpus G \
         --tokens-per-s-per-gpu R --usd-per-gpu-hour P
@@ -115,7 +115,8 @@ def _add_export(sub, run_dir: list) -> None:
 
 
 def _add_training(sub, run_dir: list) -> None:
-    """train-check (an export trains, in .venv-trainers) and train-online (stage 2 streamed into Ray Train)."""
+    """train-check (an export trains, in .venv-trainers), train (a drafter on a run, job/train/) and train-online
+    (its --stream, by its earlier name)."""
     t = sub.add_parser("train-check", help="prove exports train: N steps of the trainer's own code on CPU, in "
                                             ".venv-trainers (`make trainers`; job/trainers/)")
     t.add_argument("exports", nargs="+", help="export directories (local)")
@@ -124,33 +125,52 @@ def _add_training(sub, run_dir: list) -> None:
     t.add_argument("--python", default=str(TRAINERS_PYTHON),
                    help="the trainers' Python (default: .venv-trainers/bin/python of this checkout)")
 
-    o = sub.add_parser("train-online", help="train a drafter while stage 2 runs: its stream into Ray Train "
-                                             "workers, never stored (job/train_online.py)", parents=run_dir)
+    tr = sub.add_parser("train", help="train a drafter on a run: speculators' draft model and loss on Ray Train "
+                                       "workers (GPUs on a cluster); its result a directory vLLM serves (job/train/)",
+                        parents=run_dir)
+    tr.add_argument("run", help="the run directory (local or s3://): its stored hidden states, or with --stream its "
+                                "completions")
+    _training_flags(tr)
+    tr.add_argument("--config", help="the run config (default: the run's own, from its run.json)")
+    tr.add_argument("--stream", action="store_true",
+                    help="train on stage 2's stream (nothing stored) instead of the run's stored hidden states")
+
+    o = sub.add_parser("train-online", help="the same as `train RUN --stream` (its earlier name)", parents=run_dir)
     o.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
-    o.add_argument("--output", help="the run directory whose completions stage 2 reads (overrides the config)")
-    o.add_argument("--model", help="model directory or name (overrides the config)")
-    o.add_argument("--limit", type=int, help="train on the first N completion rows only")
-    o.add_argument("--to", default="speculators", choices=("speculators",), help="the trainer (default %(default)s)")
-    o.add_argument("--format", default="eagle3", choices=("eagle3", "dflash"), help="default %(default)s")
-    o.add_argument("--layers", type=int, nargs="+", help="aux layers in our ids (default: the trainer's own)")
-    o.add_argument("--storage-path", required=True,
-                   help="where Ray Train keeps checkpoints (shared path or s3:// on a cluster)")
-    o.add_argument("--name", default="train-online",
-                   help="the training run's name: rerun with the same name and --storage-path to resume")
-    o.add_argument("--num-workers", type=int, default=2, help="training workers (default %(default)s)")
-    o.add_argument("--cpus-per-worker", type=float, default=1.0,
-                   help="CPUs each training worker holds (default %(default)s); leave some to stage 2's actors")
-    o.add_argument("--gpus-per-worker", type=float, default=0.0,
-                   help="GPUs each training worker holds (default %(default)s: CPU training)")
-    o.add_argument("--object-store-bytes", type=int, default=None,
-                   help="Ray Data's object store limit for the stream: past it stage 2 is held back "
-                        "(default 2 GiB)")
-    o.add_argument("--checkpoint-every", type=int, default=10,
+    o.add_argument("--output", required=True, help="the run directory whose completions stage 2 reads")
+    o.add_argument("--storage-path", dest="checkpoints", help="where Ray Train keeps checkpoints (default: "
+                                                                 "RUN/drafts/NAME/checkpoints)")
+    _training_flags(o)
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """What `train` and `train-online` share (job/train/options.py)."""
+    from job.train.options import DEFAULT_OBJECT_STORE_BYTES  # per command: --help stays fast
+
+    p.add_argument("--format", default="eagle3", choices=("eagle3", "dflash"), help="default %(default)s")
+    p.add_argument("--name", help="the draft's name: RUN/drafts/NAME/ (default: the format); rerun the same name to "
+                                  "resume")
+    p.add_argument("--model", help="the target model's directory here (default: the path the run recorded)")
+    p.add_argument("--limit", type=int, help="--stream: train on the first N completion rows only")
+    p.add_argument("--to", default="speculators", choices=("speculators",), help="the trainer (default %(default)s)")
+    p.add_argument("--layers", type=int, nargs="+", help="aux layers in our ids (default: the trainer's own)")
+    p.add_argument("--checkpoints", help="where Ray Train keeps checkpoints (default RUN/drafts/NAME/checkpoints)")
+    p.add_argument("--num-workers", type=int, default=1, help="training workers (default %(default)s)")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPUs each training worker holds (default %(default)s: CPU training); with --stream on one "
+                        "GPU, a fraction shares it with the extractor (hidden_states.gpus_per_worker)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="CPUs each training worker holds (default %(default)s); leave some to the samples' reader")
+    p.add_argument("--object-store-bytes", type=int, default=DEFAULT_OBJECT_STORE_BYTES,
+                   help="Ray Data's object store limit for the samples (default 2 GiB)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
                    help="optimizer steps between checkpoints (default %(default)s)")
-    o.add_argument("--max-failures", type=int, default=1,
+    p.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint (default %(default)s; -1: forever)")
-    o.add_argument("--epochs", type=int, default=1, help="default %(default)s")
-    o.add_argument("--lr", type=float, help="learning rate (default: speculators')")
+    p.add_argument("--epochs", type=int, default=1, help="default %(default)s")
+    p.add_argument("--lr", type=float, help="learning rate (default: speculators')")
+    p.add_argument("--speculative-tokens", type=int, help="the served draft's draft length (default 3 for EAGLE-3)")
+    p.add_argument("--take-lock", action="store_true", help="take over another job's writer lock of this draft")
 
 
 def _add_read_side(sub, run_dir: list) -> None:
@@ -261,26 +281,20 @@ def _train_check(args) -> int:
                            *(["--json"] if args.json else [])], env=env).returncode
 
 
-def _train_online(args) -> int:
-    from job.train_online import DEFAULT_OBJECT_STORE_BYTES, OnlineOptions, summary, train_online  # per command
+def _train(args, stream: bool) -> int:
+    from job.train import TrainOptions  # per command: --help stays fast
+    from job.train.run import run_config_of, run_train  # per command: --help stays fast
 
-    options = OnlineOptions(
-        storage_path=args.storage_path, name=args.name, to=args.to, format=args.format, layers=args.layers,
-        num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
-        object_store_bytes=args.object_store_bytes or DEFAULT_OBJECT_STORE_BYTES,
-        checkpoint_every=args.checkpoint_every, max_failures=args.max_failures, epochs=args.epochs, lr=args.lr)
-    import ray.train  # per command: --help stays fast
-
-    try:
-        result = summary(train_online(_config(args), options))
-    except ray.train.TrainingFailedError as e:  # WorkerGroupError, ControllerError: out of --max-failures
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: train-online: training failed after {args.max_failures} restart(s): {first}\nRerun the same "
-              f"command (same --name and --storage-path) to resume from the last checkpoint.", file=sys.stderr,
-              flush=True)
-        return 1
-    print("train-online: " + json.dumps(result, default=str), flush=True)
-    return 0 if result["error"] is None else 1
+    options = TrainOptions(format=args.format, name=args.name, stream=stream, to=args.to, layers=args.layers,
+                           num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
+                           gpus_per_worker=args.gpus_per_worker, object_store_bytes=args.object_store_bytes,
+                           checkpoint_every=args.checkpoint_every, max_failures=args.max_failures,
+                           epochs=args.epochs, lr=args.lr, speculative_tokens=args.speculative_tokens,
+                           checkpoints=args.checkpoints)
+    run = args.run if args.command == "train" else args.output
+    config = run_config_of(run, _storage(args), args.config, model=args.model, limit=args.limit)
+    run_train(config, options, take_lock=args.take_lock)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,8 +353,8 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "train-check":
         return _train_check(args)
-    if args.command == "train-online":
-        return _train_online(args)
+    if args.command in ("train", "train-online"):
+        return _train(args, stream=args.command == "train-online" or args.stream)
     if args.command == "report":
         from job.generate.report import build_report, format_report  # per command: --help stays fast
 

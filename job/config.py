@@ -56,6 +56,7 @@ LIMITS: dict[str, tuple[float | None, float | None]] = {
     "hidden_states.batch_tokens": (1, None),
     "hidden_states.rows_per_shard": (1, None),
     "hidden_states.num_workers": (1, None),
+    "hidden_states.gpus_per_worker": (0.01, 1),
     "hidden_states.check_tolerance": (1e-12, None),
     "hidden_states.max_rms": (1e-12, None),
 }
@@ -307,6 +308,9 @@ class HiddenStatesConfig:
     writing (configs/qwen3.6-27b.yaml keeps 8)."""
     num_workers: int | None = None
     """Extractor actors. None = cluster GPUs, or 1 on CPU."""
+    gpus_per_worker: float = 1.0
+    """GPUs each extractor holds on a GPU cluster: 1 (its own GPU), or a fraction that lets a training worker share
+    it (`python -m job train --stream --gpus-per-worker 0.4` beside an extractor of 0.6)."""
     min_rms: float = 1e-5
     max_rms: float = 1e4
     """Per-sample, per-layer RMS of the features must lie in [min_rms, max_rms]; outside it the job stops and

@@ -32,6 +32,7 @@ REPORTS_DIR = "reports"
 LOCKS_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
 CACHE_DIR = "cache"
+DRAFTS_DIR = "drafts"
 SHARD_SUFFIX = ".arrow"
 GENERATE_REPORT = "generate.json"
 HIDDEN_STATES_REPORT = "hidden_states.json"
@@ -103,6 +104,24 @@ def trust_cache_name(kind: str) -> str:
     """The trust cache of one kind of file (job/trust_cache.py): `completions` (stage 1 writes it) or `markers`
     (stage 2)."""
     return f"{CACHE_DIR}/{kind}.jsonz"  # gzip'd JSON; not .gz: pyarrow would (de)compress it by the name
+
+
+def draft_dir(name: str) -> str:
+    """One trained draft's folder (`python -m job train --name NAME`): `draft/` (the directory vLLM serves: config
+    and weights), `train.json` (its manifest), `checkpoints/` (Ray Train's, to resume)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"draft name {name!r}: letters, digits, '.', '_' and '-' only")
+    return f"{DRAFTS_DIR}/{name}"
+
+
+def draft_stage(name: str) -> str:
+    """The stage key of training the draft `name`: its writer lock and its run.json section."""
+    return f"train-{name}"
+
+
+SERVED_DRAFT_DIR = "draft"
+TRAIN_MANIFEST = "train.json"
+TRAIN_CHECKPOINTS_DIR = "checkpoints"
 
 
 def attempts_name(unit: CompletionUnit) -> str:

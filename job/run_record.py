@@ -80,8 +80,27 @@ class HiddenStatesRecord(StageRecord):
     """What stage 2 said it would store (bytes per token, tokens, bytes): job/hidden_states/plan.py."""
 
 
+@dataclass(kw_only=True)
+class TrainRecord(StageRecord):
+    """One trained draft (`python -m job train --name NAME`: the section `train-NAME`)."""
+    draft: str | None = None
+    """The directory vLLM serves."""
+    format: str | None = None
+    epochs_done: int = 0
+    steps: int = 0
+    samples: int = 0
+    """Samples trained, every epoch counted."""
+    tokens: int = 0
+    last_loss: float | None = None
+
+
 STAGE_RECORDS: dict[str, type[StageRecord]] = {"generate": GenerateRecord, "hidden_states": HiddenStatesRecord}
-"""The section of each stage, by its key (job/stage.py `Stage.key`); another key reads as a plain StageRecord."""
+"""The section of each stage, by its key (job/stage.py `Stage.key`); `train-<name>` reads as a TrainRecord, another
+key as a plain StageRecord."""
+
+
+def record_class(key: str) -> type[StageRecord]:
+    return STAGE_RECORDS.get(key) or (TrainRecord if key.startswith("train-") else StageRecord)
 
 
 @dataclass(kw_only=True)
@@ -131,7 +150,7 @@ class RunRecord:
             if key in top:
                 continue
             if key in STAGE_RECORDS or (isinstance(value, dict) and "status" in value):
-                stages[key] = _build(STAGE_RECORDS.get(key, StageRecord), value, f"{where}: {key}")
+                stages[key] = _build(record_class(key), value, f"{where}: {key}")
             else:
                 extra[key] = value
         fields = {k: _checked(cls, k, data[k], where) for k in top if k in data}
@@ -236,7 +255,7 @@ def update(config: RunConfig, stage_key: str, fence, **fields) -> RunRecord:
         else:  # a later stage keeps stage 1's provenance and records its own beside it
             section_fields = {**fields, "provenance": provenance}
         record.created_at = record.created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        section = record.stages.setdefault(stage_key, STAGE_RECORDS.get(stage_key, StageRecord)())
+        section = record.stages.setdefault(stage_key, record_class(stage_key)())
         _apply(section, section_fields)
         body = json.dumps(redact(record.to_dict()), indent=2, sort_keys=True, default=str).encode() + b"\n"
         try:

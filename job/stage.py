@@ -13,7 +13,7 @@ unit's summary and what it reports at the end. `run_stage` puts the steps in ord
             pending = [u for u in units if not stage.is_done(u)]       the ledger skips what is done
             run_record.update(..., status running, identity)           every write of a stage goes through the fence
             with failure_recorded(...):                                any error: run.json says failed, in one line
-                follow(map_units(pending, stage.actors(...)), progress, mark_done then take)
+                stage.execute(...)       by default: follow(map_units(pending, stage.actors(...)), progress, take)
                 summary, fields = stage.finish(units, fence)           totals
             run_record.update(..., status complete, **fields)
             stage.report(summary, fence)                               its report, through the fence
@@ -94,6 +94,12 @@ class Stage:
     def take(self, summary: dict) -> None:
         """Each unit's summary, after `mark_done`: totals, lines, the canary."""
 
+    def execute(self, ray_session: RaySession, units: list, pending: list, fence: lock.Fence) -> None:
+        """Run the pending units: by default through the stage's actors on Ray Data (`actors`), each summary marked
+        done, counted and taken as it arrives. A stage whose work is not one task per unit (training: Ray Train's
+        workers) runs it here itself."""
+        run_units(self, ray_session, units, pending, fence)
+
     def finish(self, units: list, fence: lock.Fence) -> tuple[StageSummary, dict]:
         """The stage's summary, and what run.json records at its end."""
         raise NotImplementedError
@@ -118,7 +124,11 @@ def run_stage(stage: Stage, *, allow_drift: bool = False, take_lock: bool = Fals
             run_record.update(config, stage.key, fence, identity=identity, **stage.recorded(),
                               status=run_record.RUNNING if pending else run_record.COMPLETE)
             with failure_recorded(config, stage.key, fence):
-                _run_units(stage, ray_session, units, pending, fence)
+                if pending:
+                    print(f"{stage.label}: {len(pending):,} of {len(units):,} {stage.unit_noun} to do", flush=True)
+                    stage.execute(ray_session, units, pending, fence)
+                else:
+                    print(f"nothing to do: all {len(units):,} {stage.unit_noun} of this run are done", flush=True)
                 summary, fields = stage.finish(units, fence)
             run_record.update(config, stage.key, fence, **{"status": run_record.COMPLETE, **fields})
             stage.report(summary, fence)
@@ -126,15 +136,11 @@ def run_stage(stage: Stage, *, allow_drift: bool = False, take_lock: bool = Fals
     return summary
 
 
-def _run_units(stage: Stage, ray_session: RaySession, units: list, pending: list, fence: lock.Fence) -> None:
+def run_units(stage: Stage, ray_session: RaySession, units: list, pending: list, fence: lock.Fence) -> None:
+    """`pending` through the stage's actors, with a progress line over every unit's rows."""
     total = sum(u.num_rows for u in units)
     to_do = sum(u.num_rows for u in pending)
-    if not pending:
-        print(f"nothing to do: all {len(units):,} {stage.unit_noun} of this run ({total:,} rows) are done",
-              flush=True)
-        return
-    print(f"{stage.label}: {len(pending):,} of {len(units):,} {stage.unit_noun} to do, {to_do:,} rows "
-          f"({total - to_do:,} of {total:,} already done)", flush=True)
+    print(f"{stage.label}: {to_do:,} rows to do ({total - to_do:,} of {total:,} already done)", flush=True)
     ray_session.start()
     census = cluster.StageCensus()
     try:

@@ -68,7 +68,7 @@ def pytest_configure(config):
 # with a long file at the end while the other idles. A new file without an entry counts as light (0 s).
 FILE_SECONDS = {"test_resume.py": 540, "test_trainers.py": 320, "test_exactly_once.py": 305,
                 "test_hidden_states.py": 220, "test_cluster.py": 215, "test_job_submit.py": 155,
-                "test_train_online.py": 150, "test_export.py": 135, "test_quality.py": 130, "test_refusals.py": 110,
+                "test_train.py": 150, "test_export.py": 135, "test_quality.py": 130, "test_refusals.py": 110,
                 "test_generate.py": 95, "test_inputs_formats.py": 90, "test_inspect.py": 80, "test_tiny_model.py": 60,
                 "test_secrets.py": 45, "test_served.py": 45, "test_fp8.py": 30, "test_suite_guard.py": 20,
                 "test_config.py": 20, "test_lock.py": 20, "test_plan.py": 15}

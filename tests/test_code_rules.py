@@ -31,7 +31,7 @@ LAYERS = [
     ("the trainers' side", {"trainers"}),
     ("runner", {"lock", "run_record", "scan", "cluster", "progress", "pipeline", "stage"}),
     ("stages", {"generate", "hidden_states"}),
-    ("commands", {"export", "runview", "train_online", "builtin"}),
+    ("commands", {"export", "runview", "train", "builtin"}),
     ("entry", {"cli", "__main__"}),
 ]
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

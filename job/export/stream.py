@@ -66,7 +66,7 @@ def stream(config, *, to: str, format: str, layers: list[int] | None = None, los
            skip_ids: frozenset[str] = frozenset()):
     """`job.hidden_states.dataset(config)` mapped to a trainer's layout, never written: a `ray.data.Dataset` for an
     online trainer (`ds.iter_torch_batches(batch_size=N, collate_fn=collate)`). `skip_ids`: samples left out before
-    extraction (job/train_online.py: what a resumed training's checkpoint covers)."""
+    extraction (job/train/: what a resumed training's checkpoint covers)."""
 
     plan = trainer_plan(config, to=to, format=format, layers=layers, loss_turns=loss_turns)
     return dataset(config, skip_ids).map_batches(

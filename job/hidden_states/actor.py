@@ -47,7 +47,7 @@ class HiddenStateExtractor:
         """`check_source`: the completion shard (`uri`, `row_limit`) whose samples the exactness self-check uses;
         None skips the check. `fence`: the driver's writer lock (job/lock.py), through which every write and delete
         of this actor commits (mode 'write' needs one; a stream writes nothing). `skip_ids` (stream mode): samples
-        left out before extraction (those an online trainer's checkpoint already covers: job/train_online.py).
+        left out before extraction (those an online trainer's checkpoint already covers: job/train/).
         `census`: the stage's census book (job/cluster.py), told once the worker has started."""
         if skip_ids and mode != "stream":
             raise ValueError("skip_ids: stream mode only (written parts must hold every kept row)")

@@ -129,7 +129,7 @@ def extractors(config: RunConfig, units: list[HiddenStateUnit], layer_ids: list[
         HiddenStateExtractor,
         {"config": to_dict(config), "layer_ids": layer_ids, "mode": mode, "check_source": check_source,
          "fence": fence, "skip_ids": skip_ids, "census": census.book if census is not None else None},
-        min_actors=workers, max_actors=workers, gpus_per_actor=1 if gpus else 0,
+        min_actors=workers, max_actors=workers, gpus_per_actor=config.hidden_states.gpus_per_worker if gpus else 0,
         max_retries=3,  # a killed actor is replaced and its unit retried; a deterministic crash is not, forever
         runtime_env=runtime_env(config))  # secrets: at construction (actor.py)
 

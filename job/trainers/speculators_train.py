@@ -58,7 +58,7 @@ def resolve_args(export_dir: str | None, manifest: dict, config: dict, workdir: 
     """speculators' resolved training arguments for this export: the draft config, then `overrides` (TrainConfig
     field names: lr, epochs, ttt_steps, seed, ...), then the CPU settings (`cpu`), through the trainer's own
     TrainConfig.from_sources (flag > default, backend defaults backfilled, validation), as `speculators train`
-    resolves its flags. `export_dir` None (training online, job/train_online.py): an empty data directory, so the
+    resolves its flags. `export_dir` None (training on a stream, job/train/): an empty data directory, so the
     draft vocabulary is the target's whole one unless `overrides` name a token_freq_path."""
     import_speculators()
     from speculators.train.config import TrainConfig  # the trainers' environment only

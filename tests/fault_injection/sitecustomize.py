@@ -18,7 +18,7 @@ if _DELAY_S:
 
     os.replace = _slow_replace
 
-# DATAGEN_TEST_KILL_TRAIN_RANK="<rank>:<marker path>" (tests/test_train_online.py, set for the Ray Train workers only
+# DATAGEN_TEST_KILL_TRAIN_RANK="<rank>:<marker path>" (tests/test_train.py, set for the Ray Train workers only
 # through their runtime_env): the training worker of that rank SIGKILLs itself right after its first
 # `ray.train.report` with a checkpoint, once (the marker file says it happened), as a crashed node's would die. It
 # waits 5 s first: Ray Train's controller collects reports when it polls the workers (every 2 s,

@@ -1,6 +1,7 @@
-"""Training online (job/train_online.py): stage 2's stream into a 2-worker Ray Train TorchTrainer running speculators'
-draft model and loss, a training worker killed mid-epoch, every sample trained exactly once; and the stream's
-features against the stored ones, bit for bit."""
+"""Training a drafter (job/train/): `python -m job train` on the shared run's stored hidden states, a 2-worker Ray
+Train TorchTrainer running speculators' draft model and loss, a training worker killed mid-epoch, every sample
+trained exactly once, the served draft written where the docs say and served by vLLM's CPU build with τ from its
+own counters; the stream's features against the stored ones, bit for bit; which checkpoint a rerun resumes from."""
 
 from __future__ import annotations
 
@@ -8,65 +9,95 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pyarrow as pa
 import pytest
 import torch
 from conftest import DEMO_CONFIG, REPO
 
+from job import layout, run_record
 from job.config import load_config
 from job.export.files import export
 from job.hidden_states import collate, dataset, load
-from job.train_online import OnlineOptions, read_checkpoint, train_online
+from job.storage import StorageConfig
+from job.train.checkpoint import RAY_TRAIN_SNAPSHOT, latest_checkpoint, read_checkpoint
+from job.train.options import TrainOptions
+from job.train.run import run_config_of, run_train
 
 FAULTS = str(REPO / "tests" / "fault_injection")
 
 
 def _kept_ids(shared_run, tmp_path) -> set[str]:
     """The ids speculators trains on, from the files path: the stored run exported (its mapping drops samples
-    without a loss-mask token, as the stream's does)."""
+    without a loss-mask token, as training's does: the same mapping)."""
     out = tmp_path / "export"
     export(shared_run.full, to="speculators", format="eagle3", output=str(out))
     return {json.loads(line)["id"] for line in open(out / "samples.jsonl")}
 
 
-# Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), and stage 2's actors
-# start twice with them (the restarted epoch runs the dataset again): ~150 s on 2 cores.
+SERVE = """
+import json, sys
+from job.train.serve import serve_one
+prompts = json.loads(sys.argv[3])
+print("RESULT " + json.dumps(serve_one(sys.argv[1], sys.argv[2], 3, prompts, {}, 24)))
+"""
+
+
+# Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), then one vLLM engine
+# serves the draft: ~2-3 min on 2 cores.
 @pytest.mark.slow
-@pytest.mark.alone  # a Ray Train worker group beside stage 2's actors: the heaviest Ray work of the suite
-def test_stage_2_trains_a_drafter_online_exactly_once_through_a_killed_worker(shared_run, tmp_path, local_ray):
-    run = str(shutil.copytree(shared_run.stage1, tmp_path / "run"))
-    config = load_config(DEMO_CONFIG, model=shared_run.model, output=run,
-                         **{"hidden_states.check_samples": 0})  # the self-check has tests of its own
+@pytest.mark.alone  # a Ray Train worker group beside the samples' reader: the heaviest Ray work of the suite
+def test_train_exactly_once_through_a_killed_worker_and_vllm_serves_the_draft(shared_run, tmp_path, local_ray):
+    run = str(shutil.copytree(shared_run.full, tmp_path / "run"))
+    config = run_config_of(run, StorageConfig())  # the run's own config, from its run.json
     marker = tmp_path / "rank1-killed"
-    options = OnlineOptions(
-        storage_path=str(tmp_path / "train"), name="killed", num_workers=2,
-        cpus_per_worker=0.25,  # the session Ray has 2 CPUs: 1 extractor + 0.25 mapping + 2 × 0.25 training
+    options = TrainOptions(
+        format="eagle3", name="killed", num_workers=2,
+        cpus_per_worker=0.25,  # the session Ray has 2 CPUs: the parts' reader (0.25) + 2 × 0.25 training
         checkpoint_every=2, max_failures=1, object_store_bytes=256 * 1024**2,
         worker_env={"PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, str(REPO), os.environ.get("PYTHONPATH")])),
                     "DATAGEN_TEST_KILL_TRAIN_RANK": f"1:{marker}"})  # SIGKILL after its first checkpoint
 
-    result = train_online(config, options)
+    summary = run_train(config, options)
 
-    assert result.error is None, result.error
     assert marker.exists()  # rank 1 was killed once...
-    final = read_checkpoint(result.checkpoint.path)
+    final = read_checkpoint(latest_checkpoint(os.path.join(run, layout.draft_dir("killed")), "checkpoints"))
     assert final["state"]["resumed_from_step"] == 2  # ...and the group restarted from the step-2 checkpoint
     assert final["state"]["epoch_done"]
     # Every kept sample trained into the final weights exactly once: none twice (a rank's ids or the restart's
     # re-fed ones), none missing (the split drops none), across both ranks' files.
-    assert final["duplicates"] == []
+    assert final["duplicates"] == [] and summary.duplicates == 0
     assert final["consumed"] == _kept_ids(shared_run, tmp_path)
-    per_rank = [json.load(open(os.path.join(result.checkpoint.path, f"consumed-rank{r}.json")))["ids"] for r in (0, 1)]
-    assert all(per_rank), "both workers trained"
     losses = [h["loss"] for h in final["state"]["history"]]
     assert len(losses) >= 4 and all(math.isfinite(v) and v > 0 for v in losses), losses
     assert sum(losses[-2:]) < sum(losses[:2]), losses  # falling: the last two steps below the first two
+    # Where the docs say, recorded as the run's: the draft vLLM serves, the manifest, the run.json section.
+    assert summary.draft == os.path.join(run, "drafts", "killed", "draft")
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(summary.draft))
+    manifest = json.load(open(summary.report))
+    assert manifest["format"] == "eagle3" and manifest["steps"] == summary.steps == len(final["state"]["history"])
+    record = run_record.read(run, None).stages["train-killed"]
+    assert record.status == "complete" and record.draft == summary.draft and record.steps == summary.steps
+
+    # vLLM serves it as written (its CPU build, one engine in its own process): the draft proposes, the target
+    # verifies, the engine's own counters count.
+    rows = [r for r in load(run)][:4]
+    prompts = [{"prompt_token_ids": [int(t) for t in r["input_ids"][:int(r["loss_mask"].argmax())]]} for r in rows]
+    proc = subprocess.run([sys.executable, "-c", SERVE, shared_run.model, summary.draft, json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    greedy = json.loads(line[len("RESULT "):])["greedy"]
+    assert greedy["drafts"] > 0 and greedy["draft_tokens"] == 3 * greedy["drafts"], greedy
+    assert 0 <= greedy["accepted"] <= greedy["draft_tokens"] and greedy["tau"] >= 1.0, greedy
 
 
 def test_streamed_features_equal_the_stored_ones_bit_for_bit(shared_run, tmp_path, local_ray):
     """Same completions, same units and batches, same backend: the stream gives the bytes stage 2 stored. With
-    `skip_ids` (a resumed online training: job/train_online.py) the skipped samples are left out before extraction;
+    `skip_ids` (a resumed training on the stream: job/train/) the skipped samples are left out before extraction;
     here they are a whole completion shard's, so every other shard's batches, and bytes, stay the same."""
     run = str(shutil.copytree(shared_run.stage1, tmp_path / "run"))
     config = load_config(DEMO_CONFIG, model=shared_run.model, output=run, **{"hidden_states.check_samples": 0})
@@ -88,8 +119,6 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_train_accepted_not_the_newest_f
     rank had reported, or it died before its next poll), is on disk with rank 0's state in it; Ray restores the one
     its snapshot names. The driver must leave out of the stream only what that one covers, or the samples between
     the two are never trained."""
-    from job.train_online import RAY_TRAIN_SNAPSHOT, latest_checkpoint
-
     run = tmp_path / "killed"
     assert latest_checkpoint(str(tmp_path), "killed") is None  # nothing yet
     for name, ids in [("checkpoint_2026-12-05_07-25-40.221000", ["a", "b"]),

@@ -1,19 +1,20 @@
-"""speculators 0.9's draft model and loss, stepped on streamed samples by the data-parallel workers of
-job/train_online.py (Ray Train): the same TrainConfig resolution, `build_draft_model`, CollateFn (+ EAGLE-3's
+"""speculators 0.9's draft model and loss, stepped on samples by the data-parallel workers of job/train/loop.py
+(Ray Train): the same TrainConfig resolution, `build_draft_model`, CollateFn (+ EAGLE-3's
 `shift_batch`), optimizer and loss as `speculators train` (via speculators_train.py), one packed batch per step.
 
 What differs from speculators' own `Trainer.train_epoch`, and why:
-- Samples arrive from a stream, not from an indexed file dataset: `pack` fills one batch of at most
-  `total_seq_len` tokens in arrival order (speculators' multipack sampler needs every length up front). A sample
-  longer than that is trained on its first `total_seq_len` tokens, as speculators' collate cuts it.
+- Samples arrive from a Ray Data stream (the stored parts or stage 2's), not from an indexed file dataset: `pack`
+  fills one batch of at most `total_seq_len` tokens in arrival order (speculators' multipack sampler needs every
+  length up front). A sample longer than that is trained on its first `total_seq_len` tokens, as speculators'
+  collate cuts it.
 - Gradients are averaged over the ranks that had a batch this step (`all_reduce`), not through DDP: with every
-  sample trained once (job/train_online.py splits the stream unevenly on purpose), one rank can run out of
+  sample trained once (job/train/data.py splits the stream unevenly on purpose), one rank can run out of
   samples before the others, and DDP would then wait forever in the others' backward. A rank without a batch adds
   zero gradients and still steps, so every rank keeps the same weights.
 - Constant learning rate (speculators' `scheduler_type` none): a schedule needs the epoch's length, which a
   stream does not know in advance.
 
-Imports torch and speculators only: no Ray here (job/train_online.py does the Ray side).
+Imports torch and speculators only: no Ray here (job/train/loop.py does the Ray side).
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ class OnlineDraftStep:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        # [ranks with a batch, their summed loss]: one all_reduce tells every rank both.
-        with_data = torch.tensor([1.0 if samples else 0.0, float(loss.detach()) if samples else 0.0],
-                                 device=self.device, dtype=torch.float64)
+        # [ranks with a batch, their summed loss, samples, tokens]: one all_reduce tells every rank all four.
+        tokens = sum(int(s["input_ids"].shape[0]) for s in samples)
+        with_data = torch.tensor([1.0 if samples else 0.0, float(loss.detach()) if samples else 0.0,
+                                  float(len(samples)), float(tokens)], device=self.device, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(with_data)
             if with_data[0].item() == 0:
@@ -141,7 +143,8 @@ class OnlineDraftStep:
         for opt in self.optimizers:
             opt.step()
         ranks = int(with_data[0].item())
-        return {"loss": with_data[1].item() / ranks, "grad_norm": grad_norm, "ranks_with_data": ranks}
+        return {"loss": with_data[1].item() / ranks, "grad_norm": grad_norm, "ranks_with_data": ranks,
+                "samples": int(with_data[2].item()), "tokens": int(with_data[3].item())}
 
     # -- state ---------------------------------------------------------------------------------------------------
 
@@ -152,6 +155,13 @@ class OnlineDraftStep:
         if dist.is_available() and dist.is_initialized():
             for t in self.model.state_dict().values():
                 dist.broadcast(t, src=0)
+
+    def save_served(self, path: str, speculative_tokens: int | None = None) -> str:
+        """The draft as a directory vLLM serves (speculators_train.save_draft: the trainer's own checkpointer's
+        format), on this rank's disk."""
+        from job.trainers.speculators_train import save_draft
+
+        return save_draft(self.model, self.args, path, speculative_tokens)
 
     def save(self, path: str) -> None:
         import torch  # heavy: imported on use
