@@ -100,7 +100,39 @@ def test_the_runbooks_job_commands_parse():
         except SystemExit:
             pytest.fail(f"`python -m job {command}` does not parse")
     stages = {shlex.split(c)[0] for c in commands}
-    assert {"plan", "generate", "hidden-states", "status", "export", "train-online"} <= stages, stages
+    assert {"plan", "generate", "hidden-states", "status", "train"} <= stages, stages
+
+
+def _policy_write_prefixes() -> list[str]:
+    """The bucket prefixes the documented S3 policy (OPERATIONS step 1) lets the cluster write: the Resource of its
+    s3:PutObject statement."""
+    block = OPERATIONS[OPERATIONS.index("cat > /tmp/datagen-s3.json"):]
+    block = block[:block.index("\nJSON")]
+    statement = next(st for st in re.findall(r"\{[^{}]*\}", block) if "s3:PutObject" in st)
+    prefixes = re.findall(r"arn:aws:s3:::\$BUCKET/([^\"*]*)\*", statement)
+    assert prefixes, statement
+    return prefixes
+
+
+def _written_uris(text: str) -> list[str]:
+    """The S3 URIs the documented commands of `text` write: --output, --checkpoints, OUTPUT=, and the drafts that
+    `train RUN` leaves under the run."""
+    uris = re.findall(r"(?:--output|--checkpoints|--storage-path)\s+(s3://\S+|\$OUTPUT\S*)", text)
+    uris += re.findall(r"^OUTPUT=(\S+)", text, re.M)
+    uris += [f"{run}/drafts/" for run in re.findall(r"python -m job train (s3://\S+|\$OUTPUT)\b", text)]
+    return uris
+
+
+def test_every_output_the_docs_name_is_writable_under_the_documented_policy():
+    """A command the docs print writes only where the documented S3 policy lets the cluster write: caught here, not
+    by AccessDenied at the end of a 40-hour run."""
+    prefixes = _policy_write_prefixes()
+    uris = [_concrete(u).rstrip("`'\".,;)") for u in _written_uris(OPERATIONS) + _written_uris(README)]
+    assert len(uris) >= 6, uris
+    keys = [u.split("/", 3)[3] if u.count("/") >= 3 else "" for u in uris if u.startswith("s3://")]
+    denied = [u for u, key in zip([u for u in uris if u.startswith("s3://")], keys)
+              if not any(key.startswith(p) for p in prefixes)]
+    assert not denied, f"outputs the documented policy (writes under {prefixes}) denies: {denied}"
 
 
 def test_the_docs_printed_outputs_are_the_commands_output():

@@ -136,3 +136,52 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_train_accepted_not_the_newest_f
     assert chosen == str(run / "checkpoint_2026-12-05_07-25-40.221000")
     assert read_checkpoint(chosen)["consumed"] == {"a", "b"}
     assert latest_checkpoint("s3://bucket/train", "killed") is None  # s3: the workers skip, not the driver
+
+
+def test_a_layout_ray_cannot_schedule_is_refused_with_the_reason():
+    """The layouts of `train` (job/train/run.py `plan_layout`): stored training takes its workers' GPUs; a --stream one
+    gives the extractors the GPUs the workers leave, or a fraction each to share one; what cannot be scheduled is
+    refused naming the numbers (Ray would otherwise wait for ever without a word)."""
+    from job.config import ConfigError, HiddenStatesConfig
+    from job.train.run import plan_layout
+
+    hs = HiddenStatesConfig()
+    assert plan_layout(8, 64, TrainOptions(num_workers=8, gpus_per_worker=1), hs) is None
+    assert plan_layout(8, 64, TrainOptions(num_workers=2, gpus_per_worker=1, stream=True), hs) == 6
+    shared = HiddenStatesConfig(gpus_per_worker=0.6)
+    assert plan_layout(1, 16, TrainOptions(num_workers=1, gpus_per_worker=0.4, stream=True), shared) == 1
+    for gpus, cpus, options, h, words in [
+            (1, 16, TrainOptions(num_workers=1, gpus_per_worker=1, stream=True), hs, "leave no GPU"),
+            (1, 16, TrainOptions(num_workers=1, gpus_per_worker=0.5, stream=True), HiddenStatesConfig(num_workers=1),
+             "need 1.5 GPUs"),
+            (4, 64, TrainOptions(num_workers=8, gpus_per_worker=1), hs, "need 8 GPUs; this cluster has 4"),
+            (2, 2, TrainOptions(num_workers=2, cpus_per_worker=1), hs, "less than the 0.25 CPU")]:
+        with pytest.raises(ConfigError, match=words):
+            plan_layout(gpus, cpus, options, h)
+
+
+@pytest.mark.parametrize("target", ["dense", pytest.param("hybrid", marks=pytest.mark.slow)])  # hybrid: its build
+def test_the_norm_fix_replaces_speculators_verifier_norm_only_where_it_is_wrong(target, request):
+    """speculators 0.9 builds an EAGLE-3 draft's verifier norm as a LlamaRMSNorm (`w · x̂`) and loads the target's
+    norm weight into it. For Qwen3 that is the target's own norm; for Qwen3.5/3.6 (`(1 + w) · x̂`, w near 0) it is
+    wrong, and the draft would learn from wrong targets. `train` (through speculators_train.build_model) replaces it
+    by the target's own module exactly where the two disagree, and the replacement computes the target's norm."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from job.target_weights import load_final_norm
+    from job.trainers.speculators_train import with_the_target_s_final_norm
+
+    model_dir = request.getfixturevalue("tiny_model_dir" if target == "dense" else "tiny_hybrid_dir")
+    own = load_final_norm(model_dir, "float32")
+    theirs = LlamaRMSNorm(own.weight.shape[0], eps=own.variance_epsilon if hasattr(own, "variance_epsilon")
+                          else own.eps)
+    with torch.no_grad():
+        theirs.weight.copy_(own.weight)  # what speculators loads: the checkpoint's norm weight
+    draft = SimpleNamespace(verifier_norm=theirs)
+    replaced = with_the_target_s_final_norm(draft, model_dir)
+    assert replaced == (target == "hybrid")
+    x = torch.randn(4, own.weight.shape[0], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(draft.verifier_norm(x).float(), own(x), atol=1e-5)

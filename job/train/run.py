@@ -159,34 +159,46 @@ def run_train(config: RunConfig, options: TrainOptions, *, take_lock: bool = Fal
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_layout(config: RunConfig, options: TrainOptions) -> None:
-    """Refuse, with the reason, a layout Ray cannot schedule (it would wait for ever without a word): the training
-    workers' GPUs beside the extractors' (--stream), the CPUs the samples' readers need beside the workers'."""
+def check_layout(config: RunConfig, options: TrainOptions) -> RunConfig:
+    """The config the layout runs with on this cluster (`plan_layout`)."""
     import ray  # heavy: imported on use
 
     res = ray.cluster_resources()
-    gpus, cpus = res.get("GPU", 0), res.get("CPU", 0)
-    o, hs = options, config.hidden_states
-    want = o.num_workers * o.gpus_per_worker
-    if options.stream and gpus:
-        extractors = hs.num_workers or int(gpus)
+    extractors = plan_layout(res.get("GPU", 0), res.get("CPU", 0), options, config.hidden_states)
+    if extractors is None:
+        return config
+    return dataclasses.replace(config, hidden_states=dataclasses.replace(config.hidden_states, num_workers=extractors))
+
+
+def plan_layout(gpus: float, cpus: float, options: TrainOptions, hs) -> int | None:
+    """The extractors a --stream training runs beside its workers on a cluster of `gpus` and `cpus` (None: no
+    stream, or no GPU), or a refusal with the reason for a layout Ray cannot schedule (it would wait for ever without
+    a word). By default the extractors take the GPUs the training workers leave (hidden_states.num_workers: that
+    many instead), each `hidden_states.gpus_per_worker` of one."""
+    o = options
+    want, extractors = o.num_workers * o.gpus_per_worker, None
+    if o.stream and gpus:
+        extractors = hs.num_workers or int((gpus - want + 1e-9) // hs.gpus_per_worker)
+        if extractors < 1:
+            raise ConfigError(f"train --stream: {o.num_workers} training worker(s) × {o.gpus_per_worker:g} GPU leave "
+                              f"no GPU of this cluster's {gpus:g} to extract on. Share one (--gpus-per-worker 0.4 "
+                              "with hidden_states.gpus_per_worker 0.6), or train on fewer")
         want += extractors * hs.gpus_per_worker
         if want > gpus + 1e-9:
             raise ConfigError(
                 f"train --stream: {o.num_workers} training worker(s) × {o.gpus_per_worker:g} GPU beside {extractors} "
                 f"extractor(s) × {hs.gpus_per_worker:g} GPU need {want:g} GPUs; this cluster has {gpus:g}. Share a "
-                "GPU (e.g. --gpus-per-worker 0.4 with hidden_states.gpus_per_worker 0.6) or set "
-                "hidden_states.num_workers to the GPUs left for extraction")
+                "GPU (--gpus-per-worker 0.4 with hidden_states.gpus_per_worker 0.6), or train on fewer")
     elif want > gpus + 1e-9:
         raise ConfigError(f"train: {o.num_workers} worker(s) × {o.gpus_per_worker:g} GPU need {want:g} GPUs; this "
                           f"cluster has {gpus:g}")
-    reader = 1.25 if options.stream else 0.25  # the extractor and the mapping, or the parts' reader
+    reader = 1.25 if o.stream else 0.25  # the extractor and the mapping, or the parts' reader
     if o.num_workers * o.cpus_per_worker + reader > cpus + 1e-9:
         raise ConfigError(
             f"train: {o.num_workers} training worker(s) × {o.cpus_per_worker:g} CPU leave the samples' "
-            f"{'extractor' if options.stream else 'reader'} less than the {reader:g} CPU it needs on this "
-            f"{cpus:g}-CPU Ray: lower --cpus-per-worker (e.g. {max(0.05, (cpus - reader) / o.num_workers):.2g}) or "
-            "--num-workers")
+            f"{'extractor' if o.stream else 'reader'} less than the {reader:g} CPU it needs on this {cpus:g}-CPU "
+            f"Ray: lower --cpus-per-worker (e.g. {max(0.05, (cpus - reader) / o.num_workers):.2g}) or --num-workers")
+    return extractors
 
 
 def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: str, previous: str | None, fence):
@@ -200,7 +212,7 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
     from job.trainers import speculators
 
     o = options
-    check_layout(config, o)
+    config = check_layout(config, o)
     skip = frozenset()
     if previous and o.epochs == 1:  # what the last checkpoint covers is not read (or extracted) again
         done = read_checkpoint(previous)
