@@ -492,13 +492,13 @@ def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hyb
     write_completions(str(tmp_path), completion_rows(vocab_size, seed=6))
     config = hs_config(tiny_hybrid_dir, str(tmp_path), attention="packed")
     source = {"uri": str(tmp_path / "completions" / "f00000-r0000000008-0000000020.arrow"), "row_limit": None}
-    worker = HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)  # exact: passes
+    worker = HiddenStateExtractor(to_dict(config), [0, 1, 3], "stream", check_source=source)  # exact: passes
     assert worker.self_check["where"] == "transformers backend, packed batches"
     assert worker.self_check["max_difference"] < 1e-3
-    monkeypatch.setattr(Extractor, "_per_sequence", lambda self, mixer, forward: forward)
+    monkeypatch.setattr(Extractor, "per_sequence", lambda self, mixer, forward: forward)
     with pytest.raises(HiddenStateCheckError, match=r"self-check failed.*layer \d of sample 'row-\d+' differs from "
                                                     r"a plain transformers forward .* by \d+\.\d+%"):
-        HiddenStateExtractor(to_dict(config), [0, 1, 3], check_source=source)
+        HiddenStateExtractor(to_dict(config), [0, 1, 3], "stream", check_source=source)
 
 
 def test_attention_mode_is_chosen_only_where_exact(dense_dir):
