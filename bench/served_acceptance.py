@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from job.train.serve import serve_one  # noqa: E402 - the served counts (job/train/serve.py)
+from job.train.serve import serve_one, target_sampling  # noqa: E402 - the served counts (job/train/serve.py)
 
 SETS = ("regenerated", "wrong_template", "original", "untrained")
 
@@ -74,13 +74,6 @@ def run_one_in_process(args) -> int:
     with open(args.one, "w") as f:
         json.dump(result, f)
     return 0
-
-
-def target_sampling(model_dir: str) -> dict:
-    """The target's own sampling settings (generation_config.json), as job/trainers/acceptance.py reads them."""
-    path = os.path.join(model_dir, "generation_config.json")
-    gen = json.load(open(path)) if os.path.exists(path) else {}
-    return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
 
 
 def engine_failure(log_path: str, returncode: int) -> str:

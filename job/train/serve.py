@@ -133,3 +133,10 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
             entry["greedy_outputs"] = tokens
         result[name] = entry
     return result
+
+
+def target_sampling(model_dir: str) -> dict:
+    """The target's own sampling settings (generation_config.json), as job/trainers/acceptance.py reads them."""
+    path = os.path.join(model_dir, "generation_config.json")
+    gen = json.load(open(path)) if os.path.exists(path) else {}
+    return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
