@@ -23,6 +23,7 @@ import os
 import time
 
 from job.config import DEFAULT_CONFIG, load_config
+from job.generate.engine_start import text_only_engine_kwargs
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -95,7 +96,9 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
 
     config = load_config(config_path, model=model)
     os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
-    kwargs = {**config.engine_kwargs, **(engine_overrides or {})}
+    # As stage 1 runs the target: text-only for a *ForConditionalGeneration checkpoint (Qwen3.5/3.6).
+    engine_kwargs, _ = text_only_engine_kwargs(model, config.engine_kwargs)
+    kwargs = {**engine_kwargs, **(engine_overrides or {})}
     if draft is not None:  # the method the draft's own config names: eagle3, or dflash
         method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
         kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
