@@ -1,4 +1,4 @@
-"""Multi-turn acceptance (issue 45): drafts trained on multi-turn data made four ways, scored on multi-turn held-out
+"""Multi-turn acceptance: drafts trained on multi-turn data made four ways, scored on multi-turn held-out
 chats served as the target serves them (every earlier answer its own).
 
     make install trainers

@@ -1,5 +1,5 @@
 """The control plane at the seed's scale: what every command costs before (or instead of) any engine, on a run
-directory of N completion shards and N stage-2 parts, locally and on S3 (issue 48).
+directory of N completion shards and N stage-2 parts, locally and on S3.
 
     flock /tmp/heavy.lock .venv/bin/python bench/bench_control_plane.py --shards 7200 20000 --where s3 local \
         [--steps abcdegh] [--tokens-per-row 2] [--workdir DIR]

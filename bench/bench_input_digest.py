@@ -1,4 +1,4 @@
-"""What identifying the input by content costs (issue 27): job/generate/inputs.py `content_digests` and
+"""What identifying the input by content costs: job/generate/inputs.py `content_digests` and
 `_same_content`, per GB.
 
 A local file is hashed whole on every resume (SHA-256, streamed in 4 MB reads); an S3 object is hashed once, on

@@ -1,4 +1,4 @@
-"""Reading and validating a large JSONL input (issue 15), beside the same rows as parquet.
+"""Reading and validating a large JSONL input, beside the same rows as parquet.
 
 Generates N conversation rows (~`--row-bytes` each: the seed team's 914K prompts were 1.5 GB, ~1.6 KB a row) as
 one `.jsonl`, one `.jsonl.zst` (and `.jsonl.gz` with --gz) and one parquet file, then for each runs what a run's

@@ -68,7 +68,7 @@ def main() -> None:
         files = inputs.list_input_files(str(inp), sc)
         # Half the run done: every unit of the first half of the files has its shard.
         done_units = pending_units(files[: args.files // 2], [], None, args.rows_per_shard)
-        # Real (small) shard files: a resume reads every shard's footer before it trusts it (issue 27).
+        # Real (small) shard files: a resume reads every shard's footer before it trusts it.
         shard = storage.table_to_ipc_bytes(pa.table({"id": pa.array([str(i) for i in range(args.rows_per_shard)]),
                                                      "error": pa.nulls(args.rows_per_shard, pa.string())}))
         for u in done_units:

@@ -1,5 +1,5 @@
 """Where one footer read's time goes on S3 (moto on loopback): its latency, the driver's CPU for it, and what of that
-CPU is botocore's, pyarrow's and the job's own (issue 48).
+CPU is botocore's, pyarrow's and the job's own.
 
     .venv/bin/python bench/bench_s3_requests.py [--shards 1000] [--threads 32]
 

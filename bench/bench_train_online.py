@@ -1,4 +1,4 @@
-"""Bounded memory when training online (issue 32), measured on CPU: stage 2's stream (job.export.stream, the tiny
+"""Bounded memory when training online, measured on CPU: stage 2's stream (job.export.stream, the tiny
 target) into one Ray Train worker through job/train/data.py's DataConfig (split without dropping rows, object
 store limit), with a consumer that sleeps per sample (slower than stage 2) or does not (faster than stage 2).
 

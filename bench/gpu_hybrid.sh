@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10 on one H200 (vLLM 0.26, Ray 2.60, flash-linear-attention 0.6 from ../shared/gpu): stage 2 exactness of
+# On one H200 (vLLM 0.26, Ray 2.60, flash-linear-attention 0.6 from ../shared/gpu): stage 2 exactness of
 # every batch layout and of the vLLM backend, then both stages of the job end to end on the tiny hybrid with the
 # production engine settings (prefix caching, MTP, Triton GDN prefill). Logs and JSON go to $OUT.
 #   bash bench/gpu_hybrid.sh      (after .gpu-wheels/install.sh; carries .cache/tiny-hybrid)

@@ -11,7 +11,7 @@ on a small random bf16 model of the Qwen3.5/3.6 shape (8 layers: GDN x3 + attent
   old behaviour: what the exactness self-check must catch);
 - packed batches with the GDN layers once per batch through flash-linear-attention's varlen kernels (`gdn`
   'varlen', the default on GPUs);
-- packed varlen batches with the elementwise work fused (`fuse` 'compile' and 'fla', issue 35): `--fused` runs
+- packed varlen batches with the elementwise work fused (`fuse` 'compile' and 'fla'): `--fused` runs
   only these rows and the unfused varlen row beside them;
 - the same for the vLLM backend (`extract_hidden_states`), on the tiny hybrid.
 """
@@ -83,7 +83,7 @@ def main():
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, short samples: check the script runs")
     parser.add_argument("--fused", action="store_true",
-                        help="only packed batches: varlen GDN unfused, fused by torch.compile and by fla (issue 35)")
+                        help="only packed batches: varlen GDN unfused, fused by torch.compile and by fla")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else None}

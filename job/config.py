@@ -172,7 +172,7 @@ class GenerateConfig:
     column holds it). Off by default: on a GPU any seeded request moves vLLM's sampler off FlashInfer for the whole
     batch onto its PyTorch top-k/top-p path with one noise draw per seeded row per step (vLLM 0.26 and 0.32,
     v1/sample/ops/topk_topp_sampler.py). On one H200, 27B hybrid shape, 128 sequences, that cost 7.6 % of stage 1's
-    steady-state throughput (docs/BENCHMARKS.md, issue 34): ~3.4 hours of a 45-hour run. Without it a row's sample
+    steady-state throughput (docs/BENCHMARKS.md): ~3.4 hours of a 45-hour run. Without it a row's sample
     depends on the engine seed and on what it was batched with, so a regenerated shard has other (equally
     distributed) samples; the `seed` column is null. The CPU build crashes on per-request seeds: keep it off there."""
     kv_tokens_per_seq: int = 8192

@@ -1,5 +1,5 @@
 """What each drafter trainer reads from the target: its default layers, and the one stage-2 layer set that serves
-them all (issue 29: a 45-hour stage-2 run must not have to be redone for the other drafter).
+them all (a 45-hour stage-2 run must not have to be redone for the other drafter).
 
 Layer ids here are ours (= SpecForge's): layer k = output of decoder layer k = transformers output_hidden_states[k + 1].
 

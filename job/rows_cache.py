@@ -1,6 +1,6 @@
 """The small columns of a run's trusted completion shards in one object, so that a reader of every row (the
 notebook's cells, `python -m job report`, stage 1's own end-of-run report) makes one GET instead of a few per shard
-(issue 48: the notebook's opening at 20,000 shards on S3 took 136 s, one GET per shard).
+(without it the notebook's opening at 20,000 shards on S3 took 136 s, one GET per shard).
 
 The same rules as the trust cache (job/trust_cache.py), whose companion it is:
 - One file, `<output>/cache/rows.arrows` (job/layout.py), written only by stage 1 under its writer lock's fence

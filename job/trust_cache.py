@@ -1,4 +1,4 @@
-"""What a run's files were found to say, kept so that a file already read is not read again (issue 48).
+"""What a run's files were found to say, kept so that a file already read is not read again.
 
 At 20,000 shards on S3, reading every completion shard's footer and every stage-2 marker was 20,000-60,000 GETs per
 command (a resume 70 s, `status` 200 s on a loaded 2-core machine). A listing already says, for free, each object's

@@ -7,7 +7,8 @@
   imports nothing above the target's config and weights (it runs in its own environment);
 - a stage changes its run directory only through its fence: storage's writing functions are called by the fence
   (job/lock.py) and by the modules that write outside any run (the exports, the tiny models);
-- no private Ray API in job/ (it breaks on a Ray upgrade).
+- no private Ray API in job/ (it breaks on a Ray upgrade);
+- no issue number in the product (docs, code, benches, configs, README): a reader cannot look one up.
 """
 
 from __future__ import annotations
@@ -170,3 +171,17 @@ def test_no_private_ray_api():
     found = [f"{rel(p)}:{i}" for p in sources() for i, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"\bray\._private\b|from ray\._|\bray\._raylet\b", line)]
     assert not found, f"private Ray APIs in job/ (use ray.* and ray.util.* only): {found}"
+
+
+def test_no_issue_numbers_in_the_product():
+    """Docs, code, benches, configs and the README speak to users: no "issue N" a reader cannot look up (a result
+    file of bench/results/ is a record as it was made, and stays)."""
+    roots = [JOB, REPO / "bench", REPO / "docs", REPO / "configs", REPO / "deploy"]
+    paths = [p for root in roots for p in sorted(root.rglob("*")) if p.is_file()
+             and p.suffix in (".py", ".md", ".sh", ".yaml")
+             and "__pycache__" not in p.parts and "results" not in p.parts]
+    paths += [REPO / "README.md", REPO / "Makefile", REPO / "cluster.yaml"]
+    found = [f"{rel(p)}:{i}" for p in paths for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bissues? \d+\b|\bissues? #\d+\b|\bissue-\d+\b", line, re.IGNORECASE)]
+    named = [rel(p) for p in paths if re.search(r"issue\d+", p.name)]
+    assert not found and not named, f"issue numbers a reader cannot look up: {found[:20]} {named}"

@@ -20,9 +20,9 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
 - Reserve: what vLLM's start-up profile takes besides weights and cache: the activations of ONE
   max_num_batched_tokens prefill (vLLM profiles one forward) and 1.9 GiB (CUDA context, NCCL, the rest), plus per
   sequence of max_num_seqs its sampler rows (1 + num_speculative_tokens, float32 over the vocabulary) and graphs.
-  Fitted to vLLM 0.26 on the 27B hybrid shape with MTP on an H100 (issue 49, docs/BENCHMARKS.md): its pool was
+  Fitted to vLLM 0.26 on the 27B hybrid shape with MTP on an H100 (docs/BENCHMARKS.md): its pool was
   18.6 GiB at max_num_seqs 8, 18.55 at 17 (stage 1's engine), 17.8 at 34, 17.64 at 44; the sums say 18.3, 17.9 and
-  17.6 at 17, 34, 44 (within 0.25 GiB, low but at 34). On an H200 (issue 34) vLLM had 73.84 GiB at 64, the sums
+  17.6 at 17, 34, 44 (within 0.25 GiB, low but at 34). On an H200 vLLM had 73.84 GiB at 64, the sums
   72.9. The first version counted the activations and 3 x 512 rows of logits twice over plus 2 GiB (8.2 GiB), and
   rounded down to a multiple of 8: on an H100 it chose 8 where vLLM's pool held 17 sequences of 8,192 tokens (280
   against 553 tok/s at 17), on an H200 64 where 71 fit. Now: 17 and 70.
@@ -55,11 +55,11 @@ MAX_SEQS = 1024   # vLLM's own default ceiling for large GPUs; beyond it the sam
 FIXED_RESERVE = int(1.9 * GIB)
 # What each sequence of max_num_seqs costs outside the cache: the sampler's rows (1 + num_speculative_tokens a
 # sequence) of float32 logits, probabilities, sort keys and indices over the vocabulary, and its CUDA graphs. vLLM's
-# pool on an H100 fell from 18.6 GiB at max_num_seqs 8 to 17.8 at 34 and 17.64 at 44 (issue 49): 9.1 MiB a row of a
+# pool on an H100 fell from 18.6 GiB at max_num_seqs 8 to 17.8 at 34 and 17.64 at 44 on the H100: 9.1 MiB a row of a
 # 248,320-token vocabulary, ~38 B an entry; 40 here.
 ROW_BYTES_PER_VOCAB = 40
 # Tokens: vLLM makes a hybrid model's attention blocks a multiple of its attention kernels' alignment. On an H200
-# (vLLM 0.26) the 27B target's blocks were 800 tokens with MTP (issue 34) and 784 without (issue 13): 32 covers both
+# (vLLM 0.26) the 27B target's blocks were 800 tokens with MTP and 784 without (both on an H200): 32 covers both
 # (784 counted as 800 is 2 % more KV than needed, on the safe side). The CPU build: 128 (the tiny hybrid's are 256).
 BLOCK_ALIGN = {"cuda": 32, "cpu": 128}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,

@@ -1,6 +1,6 @@
-"""Fused elementwise work for the transformers backend on Qwen3.5/3.6 (issue 35).
+"""Fused elementwise work for the transformers backend on Qwen3.5/3.6.
 
-Eager transformers spends about a quarter of stage 2's GPU time on the 27B hybrid (BENCHMARKS, issue 13's profile)
+Eager transformers spends about a quarter of stage 2's GPU time on the 27B hybrid (docs/BENCHMARKS.md)
 outside the matmuls: every RMSNorm is ~9 kernels over float32 copies of the activations, the gated norm of each Gated
 DeltaNet layer ~10, SiLU-and-multiply 2 over the 17,408-wide MLP, rotary embedding ~8, the attention's sigmoid gate
 2, each a full pass over memory. Here each of those becomes one kernel, from maintained code only:

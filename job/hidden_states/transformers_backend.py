@@ -60,7 +60,7 @@ from job.target_weights import decoder_stack, torch_dtype, torch_dtypes
 
 FUSE_AUTO = "compile"
 """What `fuse: auto` picks on a CUDA GPU (the CPU path stays eager). Measured on one H200 in one process, the 27B
-hybrid shape packed with varlen GDN (docs/BENCHMARKS.md, issue 35): unfused 10,336 tokens/s, 'fla' 12,157,
+hybrid shape packed with varlen GDN (docs/BENCHMARKS.md): unfused 10,336 tokens/s, 'fla' 12,157,
 'compile' 12,318; against a plain per-sequence forward on the small Qwen3.5 shape the max relative difference is
 3.32 % unfused, 3.32 % with 'compile' (the same) and 3.38 % with 'fla'. So 'compile'."""
 

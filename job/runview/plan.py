@@ -27,7 +27,7 @@ model's config.json; tensor_parallel_size, rows per shard, max_tokens), else fro
 and stage 2's recorded estimate, else Qwen3.6-27B's every-trainer layers. A model whose config.json is not on this
 machine gets Qwen3.6-27B's shape and a note (`--model DIR` reads another).
 
-Three ways to get the hidden states to the trainer (issue 32), each with its GPU-hours, bytes and money:
+Three ways to get the hidden states to the trainer, each with its GPU-hours, bytes and money:
     stage 2 GPU-hours  = (prompt + output tokens) / stage-2 tokens/s per GPU / 3600
     stored bf16        = stage 2 once + hidden states × $ per GB-month × months kept
     stored FP8         = stage 2 once + (hidden bytes / 2 + 4 B of scale per token and layer) × $ × months
@@ -55,7 +55,7 @@ USD_PER_1000_PUTS = 0.005
 DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
 PROMPT_ID_BYTES = 4  # prompt_token_ids: int32 per prompt token
 # Stage 2 on one H200, Qwen3.6-27B hybrid shape, transformers backend with varlen GDN kernels and the fused
-# elementwise kernels (`fuse: auto` = compile; docs/BENCHMARKS.md, issue 35): prompt + completion tokens per second
+# elementwise kernels (`fuse: auto` = compile; docs/BENCHMARKS.md): prompt + completion tokens per second
 # per GPU. 10,136 before the fusion.
 DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 12_318
 

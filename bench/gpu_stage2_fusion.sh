@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 35 on one H200: stage 2's elementwise work fused (job/hidden_states/fusion.py), torch.compile vs
+# On one H200: stage 2's elementwise work fused (job/hidden_states/fusion.py), torch.compile vs
 # flash-linear-attention's fused norms vs unfused, on the 27B hybrid shape. Needs only flash-linear-attention on the
 # image (torch 2.11, transformers 5.17): three wheels carried from ../shared/gpu's download, no vLLM or Ray.
-#   bash bench/gpu_issue35.sh a          exactness of each (small Qwen3.5 shape + tiny hybrid), then the three timed
+#   bash bench/gpu_stage2_fusion.sh a          exactness of each (small Qwen3.5 shape + tiny hybrid), then the three timed
 #                                        in one process (packed, varlen GDN; 120 samples, 2 passes each)
-#   bash bench/gpu_issue35.sh b KIND     the kept one (fuse KIND) with and without FP8 records, its profile, the
+#   bash bench/gpu_stage2_fusion.sh b KIND     the kept one (fuse KIND) with and without FP8 records, its profile, the
 #                                        unfused FP8 path, and the plain 64-layer forward, in one process
 # carry: .gpu-wheels/whl/{fla_core-0.6.0,flash_linear_attention-0.6.0}-py3-none-any.whl,
 #        .gpu-wheels/whl/einops-0.8.2-py3-none-any.whl, .cache/tiny-hybrid. Logs and JSON go to $OUT.

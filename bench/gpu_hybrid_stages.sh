@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Issue 13 on one H200 (after .gpu-wheels/install.sh; carries .cache/tiny-hybrid and .cache/dummy-hybrid-27b).
+# On one H200 (after .gpu-wheels/install.sh; carries .cache/tiny-hybrid and .cache/dummy-hybrid-27b).
 # Each part is one device call; logs and JSON go to $OUT.
-#   bash bench/gpu_issue13.sh stage2   # GDN varlen vs once-per-sequence: exactness, speed, kernel profile
-#   bash bench/gpu_issue13.sh warm     # first engine start on the machine (compile cache), no limit
-#   bash bench/gpu_issue13.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
-#   bash bench/gpu_issue13.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
-#   bash bench/gpu_issue13.sh vllm2    # stage 2's vllm backend: read-back in line vs overlapped vs the engine alone
-# Runs not yet made (issue 13's device time ran out on 2026-12-03), each one call after `warm`:
-#   PROMPTS=1000 CT=190 ONLY="plain+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024 raydata+generate.sampling.max_tokens=1024" bash bench/gpu_issue13.sh stage1
-#   PROMPTS=256 CT=185 SWEEP="stage1+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024+generate.per_request_seed=false stage1+generate.sampling.max_tokens=1024+engine_kwargs.max_num_seqs=64" bash bench/gpu_issue13.sh sweep
-#   HYBRID=1 SKIP_8B=1 bash bench/gpu_issue13.sh vllm2   # the 27B hybrid shape alone
+#   bash bench/gpu_hybrid_stages.sh stage2   # GDN varlen vs once-per-sequence: exactness, speed, kernel profile
+#   bash bench/gpu_hybrid_stages.sh warm     # first engine start on the machine (compile cache), no limit
+#   bash bench/gpu_hybrid_stages.sh stage1   # plain vLLM vs `python -m job generate` vs ray.data.llm, 27B hybrid shape
+#   bash bench/gpu_hybrid_stages.sh sweep    # stage 1 at max_num_seqs 64/128/256 and with prefix caching
+#   bash bench/gpu_hybrid_stages.sh vllm2    # stage 2's vllm backend: read-back in line vs overlapped vs the engine alone
+# Runs not yet made (the device time ran out on 2026-12-03), each one call after `warm`:
+#   PROMPTS=1000 CT=190 ONLY="plain+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024 raydata+generate.sampling.max_tokens=1024" bash bench/gpu_hybrid_stages.sh stage1
+#   PROMPTS=256 CT=185 SWEEP="stage1+generate.sampling.max_tokens=1024 stage1+generate.sampling.max_tokens=1024+generate.per_request_seed=false stage1+generate.sampling.max_tokens=1024+engine_kwargs.max_num_seqs=64" bash bench/gpu_hybrid_stages.sh sweep
+#   HYBRID=1 SKIP_8B=1 bash bench/gpu_hybrid_stages.sh vllm2   # the 27B hybrid shape alone
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt

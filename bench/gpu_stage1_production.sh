@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 34 on one H200 (after .gpu-wheels/install.sh): stage 1 with the production engine settings (MTP on,
+# On one H200 (after .gpu-wheels/install.sh): stage 1 with the production engine settings (MTP on,
 # max_num_seqs auto) on bench/dummy_model.py's 27B hybrid shape, against plain vLLM at the same concurrency.
 # Each part is one device call, back to back (the compile cache lives on the machine); logs and JSON go to $OUT.
-#   bash bench/gpu_issue34.sh warm     # first start on the machine: torch.compile + CUDA graphs for this config
-#   bash bench/gpu_issue34.sh stage1   # plain vLLM vs `python -m job generate` (defaults), 800 prompts
-#   bash bench/gpu_issue34.sh seeds    # stage 1 with per-request seeds vs without, 256 prompts
+#   bash bench/gpu_stage1_production.sh warm     # first start on the machine: torch.compile + CUDA graphs for this config
+#   bash bench/gpu_stage1_production.sh stage1   # plain vLLM vs `python -m job generate` (defaults), 800 prompts
+#   bash bench/gpu_stage1_production.sh seeds    # stage 1 with per-request seeds vs without, 256 prompts
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 export VLLM_CACHE_ROOT=/root/vllm-cache

@@ -1,9 +1,9 @@
-"""Issue 49 (a): steady-state output tokens/s against the number of sequences decoded together, from ONE engine start.
+"""steady-state output tokens/s against the number of sequences decoded together, from ONE engine start.
 
-    python3 bench/gpu_issue49.py --config bench/gpu_stage1_production.yaml --model .cache/dummy-hybrid-27b \
+    python3 bench/gpu_concurrency_sweep.py --config bench/gpu_stage1_production.yaml --model .cache/dummy-hybrid-27b \
         --levels old,8,16,auto,mix,mix*0.5,mix*0.75,mix*1.25 --kv-mix 512 --max-tokens 256 --out $OUT/sweep.json
 
-Why one start: on a fresh GPU machine the 27B hybrid shape's first engine start takes 5-8 minutes (issue 34: 504 s),
+Why one start: on a fresh GPU machine the 27B hybrid shape's first engine start takes 5-8 minutes (504 s),
 and a different max_num_seqs is a different compile-cache key; a sweep of engines would not fit a device budget. So
 vLLM's engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the scheduler is reachable) with max_num_seqs =
 the largest level, and each level lowers the scheduler's admission limit to that many running sequences, levels in
@@ -39,7 +39,7 @@ GIB = 1024 ** 3
 
 
 def old_auto(model: str, ek: dict, tokens: int) -> int:
-    """The first version's choice (before issue 49): reserve = 2 x (one prefill's activations + 3 x 512 rows of
+    """The first version's choice (before the H100 fit): reserve = 2 x (one prefill's activations + 3 x 512 rows of
     float32 logits) + 2 GiB, and the count rounded down to a multiple of 8 (at least 8)."""
     from vllm.platforms import current_platform
 
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--warm-s", type=float, default=10)
     parser.add_argument("--measure-s", type=float, default=20)
     parser.add_argument("--engine-kwargs", default="{}", help="JSON merged over the config's (a CPU try: smaller)")
-    parser.add_argument("--workdir", default="/tmp/gpu_issue49")
+    parser.add_argument("--workdir", default="/tmp/gpu_concurrency_sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
 
