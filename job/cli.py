@@ -112,6 +112,12 @@ def _add_export(sub, run_dir: list) -> None:
     e.add_argument("--draft-vocab-size", type=int, help="specforge eagle3: d2t/t2d size (default 32000, at most "
                                                          "the target's vocabulary)")
     e.add_argument("--target-vocab-size", type=int, help="specforge eagle3: default from the model's config")
+    e.add_argument("--limit", type=int, help="the first N samples the trainer keeps, in the run's order: a quick "
+                                             "export to prove a launcher before the whole run")
+    e.add_argument("--sample", type=float, metavar="FRACTION",
+                   help="the samples whose id falls in this fraction (by a hash of the id: the same ones each time)")
+    e.add_argument("--workers", type=int, help="writer actors (default: the cluster's CPUs less one)")
+    e.add_argument("--take-lock", action="store_true", help="take over another export's writer lock into this output")
 
 
 def _add_training(sub, run_dir: list) -> None:
@@ -345,7 +351,8 @@ def _dispatch(args) -> int:
         summary = export(args.run, to=args.to, format=args.format, output=args.output, layers=args.layers,
                          draft_vocab_size=args.draft_vocab_size, target_vocab_size=args.target_vocab_size,
                          loss_turns=args.loss_turns, draft_config=draft_config, model=args.model,
-                         storage_config=_storage(args))
+                         storage_config=_storage(args), limit=args.limit, sample=args.sample, workers=args.workers,
+                         take_lock=args.take_lock)
         reasons = "; ".join(f"{n} {r}" for r, n in summary["dropped_by_reason"].items())
         print(f"export: {summary['num_samples']:,} samples → {args.output} ({args.to} {args.format}); "
               f"dropped {summary['num_dropped']:,}" + (f": {reasons}" if reasons else "") +

@@ -54,8 +54,9 @@ class Stage:
     """What one stage declares; `run_stage` does the rest. A unit has `num_rows` and `to_row()` (job/layout.py)."""
     key: str
     """Its section of run.json and the name of its writer lock."""
-    directory: str
-    """The folder of the run directory it writes (temp files a killed writer left there are cleared)."""
+    directory: str | None
+    """The folder of the run directory it writes (temp files a killed writer left there are cleared); None: it
+    writes outside the run (an export)."""
     label: str
     """Its name in the progress line."""
     unit_noun: str = "units"
@@ -112,6 +113,7 @@ def run_stage(stage: Stage, *, allow_drift: bool = False, take_lock: bool = Fals
     """Run `stage` to its end: see the module docstring for the order of the steps."""
     started, config = time.monotonic(), stage.config
     with RaySession(config) as ray_session:
+        stage.ray_session = ray_session  # a stage's plan may need Ray (an export counts its samples on the workers)
         if cluster.joining_cluster():  # the paths every node must see, refused before anything is written
             ray_session.start()
             cluster.check_paths_reach_workers(config, stage.worker_paths())
@@ -173,12 +175,13 @@ def check_identity(record: RunRecord | None, stage_key: str, identity: dict, all
 
 
 @contextmanager
-def writing(config: RunConfig, stage_key: str, directory: str, *, take_lock: bool):
+def writing(config: RunConfig, stage_key: str, directory: str | None, *, take_lock: bool):
     """Hold the stage's writer lock (one writer per run and stage) and yield its fence, through which every write
     and delete of the stage commits; the temp files a killed writer left in `directory` are cleared first (nobody
     else writes there while we hold the lock)."""
     with lock.WriterLock(config, stage_key, take_over=take_lock) as held:
-        held.fence.clear_temp_files(storage.join(config.output, directory))
+        if directory is not None:
+            held.fence.clear_temp_files(storage.join(config.output, directory))
         yield held.fence
 
 

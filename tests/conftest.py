@@ -61,17 +61,16 @@ def pytest_configure(config):
                                        "(it shuts the worker's session Ray down)")
 
 
-# Seconds each file's tests took in one `make test-all` with two workers on 2 cores (test-results/junit.xml of the
-# fresh-clone .ci/run of 82bdf3a, 2026-12-06, less what moved out since: the hybrid model's build, 123 s of
-# test_hidden_states, now made before the session; the shared run's second build, 81 s of test_inspect), rounded.
+# Seconds each file's tests took in one `make test-all` with two workers on 2 cores (the timeline of a fresh-clone
+# .ci/run, 2026-12-07), rounded.
 # With `--dist loadfile` a file is one unit of work on one worker: the longest go first, so that no worker is left
 # with a long file at the end while the other idles. A new file without an entry counts as light (0 s).
-FILE_SECONDS = {"test_resume.py": 540, "test_trainers.py": 320, "test_exactly_once.py": 305,
-                "test_hidden_states.py": 220, "test_cluster.py": 215, "test_job_submit.py": 155,
-                "test_train.py": 150, "test_export.py": 135, "test_quality.py": 130, "test_refusals.py": 110,
-                "test_generate.py": 95, "test_inputs_formats.py": 90, "test_inspect.py": 80, "test_tiny_model.py": 60,
-                "test_secrets.py": 45, "test_served.py": 45, "test_fp8.py": 30, "test_suite_guard.py": 20,
-                "test_config.py": 20, "test_lock.py": 20, "test_plan.py": 15}
+FILE_SECONDS = {"test_resume.py": 430, "test_hidden_states.py": 205, "test_train.py": 200, "test_cluster.py": 200,
+                "test_trainers.py": 180, "test_exactly_once.py": 180, "test_export.py": 175,
+                "test_job_submit.py": 110, "test_generate.py": 100, "test_inputs_formats.py": 100,
+                "test_refusals.py": 95, "test_quality.py": 70, "test_inspect.py": 60, "test_stage_runner.py": 40,
+                "test_secrets.py": 35, "test_tiny_model.py": 30, "test_fp8.py": 25, "test_lock.py": 25,
+                "test_suite_guard.py": 20, "test_config.py": 20, "test_plan.py": 15}
 LIGHT_FILE_SECONDS = 30  # a file under this counts as light: unit tests, a CLI or two, no engine
 
 

@@ -23,6 +23,7 @@ from conftest import REPO, ensure_local_ray
 from job import layout, schema, storage
 from job.config import HiddenStatesConfig, RunConfig
 from job.export import ExportError, collate, export, make_plan, stream
+from job.export.files import in_sample
 from job.hidden_states import load, run_hidden_states
 
 # With two workers (pytest-xdist), on one: the module's runs (per model) are made once.
@@ -535,3 +536,39 @@ def test_the_hybrid_target_exports_and_trains_like_the_dense_one(runs, tmp_path)
     assert "disagrees with the target's own final norm (Qwen3_5RMSNorm)" in proc.stderr
     differences = json.loads(proc.stdout.strip().splitlines()[-1])
     assert differences["ours"] < 1e-5 and differences["speculators"] > 0.5, differences
+
+
+@pytest.mark.parametrize("runs", ["dense"], indirect=True)  # the rule does not depend on the architecture
+def test_an_interrupted_export_is_finished_by_its_rerun_and_a_sample_holds_exactly_its_ids(runs, tmp_path):
+    """The export is a stage of the run on the workers, a group of parts per unit: a rerun after a job that died in
+    the middle of a group redoes only that group (its marker missing, one of its files lost) and ends with every
+    sample once under its index; `--limit N` holds exactly the first N samples, `--sample F` the same ids each time."""
+    run = runs[0][True]
+    out = tmp_path / "spec"
+    full = export(run, to="speculators", format="eagle3", output=str(out), parts_per_group=1)
+    ids = ids_in_order(str(out))
+    groups = sorted((out / "_export").glob("g*.json"))
+    assert len(ids) == len(set(ids)) == full["num_samples"] >= 3 and len(groups) >= 2
+    hs = sorted((out / "hidden_states").glob("hs_*.safetensors"))
+    assert [f.name for f in hs] == sorted(f"hs_{i}.safetensors" for i in range(len(ids)))
+
+    # The job died writing group 1: its marker never written, one of its files not yet there, no export.json yet.
+    second = json.load(open(groups[1]))["expected"]
+    lost = out / "hidden_states" / f"hs_{second['offset']}.safetensors"
+    groups[1].unlink()
+    lost.unlink()
+    (out / "export.json").unlink()
+    untouched = {f: f.stat().st_mtime_ns for f in hs if f != lost and int(f.stem[3:]) < second["offset"]}
+    again = export(run, to="speculators", format="eagle3", output=str(out), parts_per_group=1)
+    assert ids_in_order(str(out)) == ids and again["num_samples"] == len(ids) and lost.exists()
+    assert all(f.stat().st_mtime_ns == t for f, t in untouched.items()), "a done group was written again"
+    assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == len(ids)
+
+    small = tmp_path / "small"
+    export(run, to="speculators", format="eagle3", output=str(small), limit=2, parts_per_group=1)
+    assert ids_in_order(str(small)) == ids[:2]
+    assert sorted(f.name for f in (small / "hidden_states").glob("*")) == ["hs_0.safetensors", "hs_1.safetensors"]
+    # --sample: the ids a hash of the id picks (files.in_sample), the same ones each time: here half of them.
+    picked = export(run, to="speculators", format="eagle3", output=str(tmp_path / "half"), sample=0.5)
+    assert ids_in_order(str(tmp_path / "half")) == [i for i in ids if in_sample(i, 0.5)] and picked["sample"] == 0.5
+    assert 0 < picked["num_samples"] < len(ids)

@@ -12,7 +12,7 @@ import torch
 from conftest import DEMO_CONFIG
 
 from job.config import load_config
-from job.export.files import export
+from job.export import export
 from job.hidden_states import check_run, fp8, load, run_hidden_states
 
 

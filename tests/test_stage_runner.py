@@ -203,7 +203,7 @@ class Sleeper:
         yield batch
 
 
-SLEEPER_S = 25  # the failing stage starts its actor and fails within it (~5 s here)
+SLEEPER_S = 15  # the failing stage starts its actor and fails within it (~5 s here)
 
 
 def _alive(class_part: str) -> int:

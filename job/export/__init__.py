@@ -37,12 +37,14 @@ exports to SpecForge only: an export to speculators from it stops.
 Every export writes `export.json` (conventions, layer ids in the trainer's terms, counts, dropped by reason),
 `samples.jsonl` (trainer index → our id) and `dropped.jsonl` (id, reason) beside the trainer's files.
 
-Modules: trainer_format.py (layer plan, one sample's tensors, drops, vocabulary statistics, the bookkeeping files),
-files.py (`export`: the trainers' files), conversations.py (SpecForge's conversations JSONL), stream.py (`stream`).
+Modules: stage.py (`export`: the export as a stage of the run, its work on the cluster's workers), files.py (the
+trainers' files: counting, writing, finishing), trainer_format.py (layer plan, one sample's tensors, drops,
+vocabulary statistics, the bookkeeping files), conversations.py (SpecForge's conversations JSONL), stream.py
+(`stream`).
 """
 
 from job.export.conversations import export_conversations
-from job.export.files import export
+from job.export.stage import export
 from job.export.stream import stream
 from job.export.trainer_format import TARGETS, ExportError, Plan, make_plan
 from job.hidden_states import collate  # one collate for both streams

@@ -205,9 +205,23 @@ def export_conversations(run: str, *, output: str, storage_config: storage.Stora
 
     storage.write_lines(storage.join(output, "conversations.jsonl"), lines(), storage_config)
     assert num_kept_rows + len(dropped) == num_rows, (num_kept_rows, len(dropped), num_rows)
-    summary = finish_export(run, output, "specforge", "conversations", kept, dropped, storage_config,
+    summary = finish_export(run, output, "specforge", "conversations", kept, dropped, Unfenced(storage_config),
                       {"num_input_rows": num_rows, "num_rows_in_samples": num_kept_rows,
                        "one_sample_per": "conversation" if whole else "row", "thinking": thinking,
                        "validation": "scripts/validate_regenerated_data.py --strict-think-markers "
                                      + ("--expect-reasoning" if thinking else "--expect-non-reasoning")})
     return summary
+
+
+class Unfenced:
+    """The writes of an export that is no stage (the conversations: one small pass over the completions, on the
+    driver), with a fence's two methods that `finish_export` calls."""
+
+    def __init__(self, storage_config):
+        self.storage_config = storage_config
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        storage.write_bytes_atomic(uri, data, self.storage_config)
+
+    def write_json(self, uri: str, obj) -> None:
+        storage.write_json(uri, obj, self.storage_config)

@@ -288,13 +288,14 @@ def specforge_vocab_mapping(token_dict: Counter, draft_vocab_size: int, target_v
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def finish_export(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], storage_config,
-            extra: dict) -> dict:
-    storage.write_lines(storage.join(output, SAMPLES_JSONL),
-                 (json.dumps({"index": i, "id": sid}) for i, sid in enumerate(kept)), storage_config)
-    storage.write_lines(storage.join(output, DROPPED_JSONL), (json.dumps(d, ensure_ascii=False) for d in dropped),
-                 storage_config)
+def finish_export(run: str, output: str, to: str, format: str, kept: list[str], dropped: list[dict], fence,
+                  extra: dict) -> dict:
+    """samples.jsonl (trainer index → our id), dropped.jsonl, then export.json, each through the fence."""
+    fence.write_bytes(storage.join(output, SAMPLES_JSONL),
+                      "".join(json.dumps({"index": i, "id": sid}) + "\n" for i, sid in enumerate(kept)).encode())
+    fence.write_bytes(storage.join(output, DROPPED_JSONL),
+                      "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in dropped).encode())
     summary = {"run": run, "output": output, "to": to, "format": format, "num_samples": len(kept),
                "num_dropped": len(dropped), "dropped_by_reason": dict(Counter(d["reason"] for d in dropped)), **extra}
-    storage.write_json(storage.join(output, EXPORT_JSON), summary, storage_config)
+    fence.write_json(storage.join(output, EXPORT_JSON), summary)
     return summary
