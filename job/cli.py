@@ -229,6 +229,9 @@ def _add_read_side(sub, run_dir: list) -> None:
                          "hybrid shape, docs/BENCHMARKS.md)")
     pl.add_argument("--epochs", type=int, default=1,
                     help="training epochs over the data: streaming extracts once per epoch (default %(default)s)")
+    pl.add_argument("--export-gb-per-s-per-node", type=float, default=plan.DEFAULT_EXPORT_GB_PER_S_PER_NODE,
+                    help="what an export reads and writes per second per node, for its line (default %(default)s, "
+                         "assumed: measure yours with bench/bench_export.py)")
     pl.add_argument("--months-stored", type=float, default=1.0,
                     help="months stored hidden states are kept, for the three ways' totals (default %(default)s)")
     pl.add_argument("--from", dest="from_run", metavar="RUN_URI",

@@ -31,6 +31,8 @@ def test_reproduces_the_real_run():
     assert e["completion_bytes"] == pytest.approx(2_285_000_000 * 5.0)
     assert e["hidden_state_bytes"] == pytest.approx(2_285_000_000 * 71_685)
     assert e["every_trainer_extra_bytes"] == pytest.approx(2_285_000_000 * 20_480)
+    # An export reads the 164 TB and writes them again: 2 × 164 TB at the assumed 1 GB/s per node is ~91 hours.
+    assert e["export_hours_per_node"] == pytest.approx(2 * 2_285_000_000 * 71_685 / 1e9 / 3600)
 
 
 def test_cli_prints_hours_cost_and_storage(capsys):

@@ -282,7 +282,7 @@ def write_group(config: dict, plan, output: str, fence, identity: dict, row: dic
         writer.close()
     marker = {"expected": group.marker(identity), "token_counts": {str(k): v for k, v in counter.items()},
               "num_tokens": tokens, "num_loss_tokens": loss_tokens}
-    return {"group": group.index, "num_rows": len(group.ids), "bytes_written": written,
+    return {"group": group.index, "num_rows": len(group.ids), "num_tokens": tokens, "bytes_written": written,
             "seconds": time.monotonic() - started, "marker": json.dumps(marker)}
 
 

@@ -140,7 +140,7 @@ class ExportStage(Stage):
         task = ray.remote(num_cpus=1, max_retries=3)(files.write_group).options(runtime_env=runtime_env(self.config))
         window = self.request["workers"] or len(pending)
         total, to_do = sum(u.num_rows for u in units), sum(u.num_rows for u in pending)
-        tracker = Progress(total_rows=total, done_rows=total - to_do, label=self.label, tokens_key="num_rows")
+        tracker = Progress(total_rows=total, done_rows=total - to_do, label=self.label, tokens_key="num_tokens")
         queue, running = list(pending), {}
         args = (to_dict(self.config), self.plan_, self.request["output"], fence, self.marker_identity)
         with tracker, job_errors_surface():

@@ -50,6 +50,9 @@ from job.formatting import format_bytes
 DEFAULT_USD_PER_GB_MONTH = 0.023
 # S3 Standard PUT/COPY/POST/LIST requests, us-east-1: $0.005 per 1,000 (for the requests line).
 USD_PER_1000_PUTS = 0.005
+# What an export moves per node per second when nobody measured it (--export-gb-per-s-per-node): 1 GB/s, a node's S3
+# bandwidth at best. Measured here (bench/bench_export.py, docs/BENCHMARKS.md): 0.25 GB/s on a 2-core machine's disk.
+DEFAULT_EXPORT_GB_PER_S_PER_NODE = 1.0
 # A completion shard stores each output token as an int32 id (4 B) and as text (~4 B of UTF-8 per token for
 # English), zstd-compressed to roughly 5 B together; `--from` measures the real figure from shard sizes.
 DEFAULT_COMPLETION_BYTES_PER_TOKEN = 5.0
@@ -132,6 +135,8 @@ class PlanInputs:
     """tensor_parallel_size of the run config (--config, --from)."""
     rows_per_shard: int = 128
     hidden_rows_per_shard: int = 8
+    export_gb_per_s_per_node: float = DEFAULT_EXPORT_GB_PER_S_PER_NODE
+    """What `python -m job export` reads (and writes) per second per node, for the export line."""
     """Rows per completion shard and per hidden-state shard (the production config's), for the S3 requests line."""
 
     def __post_init__(self):
@@ -185,6 +190,8 @@ def estimate(p: PlanInputs) -> dict:
         "hidden_state_ways": hidden_state_ways(p, output_tokens + prompt_tokens),
         "s3_puts": puts,
         "s3_puts_usd": puts / 1000 * USD_PER_1000_PUTS,
+        # An export reads the stored bytes and writes the trainer's layers of them again: twice the bytes move.
+        "export_hours_per_node": 2 * hidden_bytes / (p.export_gb_per_s_per_node * 1e9) / 3600,
     }
 
 
@@ -293,10 +300,17 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
             f"+{p['hidden_bytes_per_token'] - lay.dflash_only_bytes_per_token:,.0f} B per token over DFlash's "
             f"{len(dflash)} layers, {lay.dflash_only_bytes_per_token:,} B): one stage-2 run exports to every trainer")
     lines += _ways_lines(e, p)
+    export_h = e["export_hours_per_node"]
+    idle_units = engine_units(p["num_gpus"], p["device"])
+    idle_cost = _usd(export_h * p["num_gpus"] * p["usd_per_gpu_hour"])
     lines += [
-        f"         (not included: engine start-up, ~5-15 min per (re)start; the canary; an idle head node; an export "
-        f"of stored hidden states writes its layers again, up to {format_bytes(e['hidden_state_bytes'])} per trainer "
-        f"format; S3 requests, ~{_count(e['s3_puts'])} shard writes = {_usd(e['s3_puts_usd'])} at "
+        f"export   only for another launcher (`python -m job train` reads the stored parts where they are): reads and "
+        f"writes up to {format_bytes(e['hidden_state_bytes'])} per trainer format, {_hours(export_h, short=True)} "
+        f"on one node at {p['export_gb_per_s_per_node']:g} GB/s (assumed: a node's S3 bandwidth; "
+        f"--export-gb-per-s-per-node, bench/bench_export.py); on the engines' node, its {idle_units} idle, "
+        f"{idle_cost}: take it down first and export on cheaper workers",
+        f"         (not included: engine start-up, ~5-15 min per (re)start; the canary; an idle head node; S3 "
+        f"requests, ~{_count(e['s3_puts'])} shard writes = {_usd(e['s3_puts_usd'])} at "
         f"${USD_PER_1000_PUTS} per 1,000 PUTs, more with multipart parts)",
     ]
     return "\n".join(lines)

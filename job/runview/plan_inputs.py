@@ -219,7 +219,7 @@ def plan_from_flags(args, storage_config=None) -> tuple[dict, dict | None]:
         or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
         usd_per_gb_month=args.usd_per_gb_month,
         stage2_tokens_per_s_per_gpu=args.stage2_tokens_per_s_per_gpu, epochs=args.epochs,
-        months_stored=args.months_stored,
+        months_stored=args.months_stored, export_gb_per_s_per_node=getattr(args, "export_gb_per_s_per_node", 1.0),
         # A CPU run's engines are CPU engines, unless the plan is for GPUs (--gpus given).
         device=run["device"] if run and args.gpus is None else "GPU",
         **{k: settings[k] for k in ("gpus_per_engine", "rows_per_shard", "hidden_rows_per_shard") if k in settings},
