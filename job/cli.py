@@ -116,7 +116,8 @@ def _add_export(sub, run_dir: list) -> None:
                                              "export to prove a launcher before the whole run")
     e.add_argument("--sample", type=float, metavar="FRACTION",
                    help="the samples whose id falls in this fraction (by a hash of the id: the same ones each time)")
-    e.add_argument("--workers", type=int, help="writer actors (default: the cluster's CPUs less one)")
+    e.add_argument("--workers", type=int,
+                   help="export tasks at once, one group of parts each (default: as many as the cluster runs)")
     e.add_argument("--take-lock", action="store_true", help="take over another export's writer lock into this output")
 
 
