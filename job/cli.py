@@ -125,8 +125,9 @@ def _add_training(sub, run_dir: list) -> None:
     """train-check (an export trains, in .venv-trainers), train (a drafter on a run, job/train/) and train-online
     (its --stream, by its earlier name)."""
     t = sub.add_parser("train-check", help="prove exports train: N steps of the trainer's own code on CPU, in "
-                                            ".venv-trainers (`make trainers`; job/trainers/)")
-    t.add_argument("exports", nargs="+", help="export directories (local)")
+                                            ".venv-trainers (`make trainers`; job/trainers/)", parents=run_dir)
+    t.add_argument("exports", nargs="+", help="export directories (local, or s3:// of at most 10 GB: an export made "
+                                             "with --limit is copied here first)")
     t.add_argument("--steps", type=int, default=5, help="optimizer steps on one repeated batch (default 5)")
     t.add_argument("--json", action="store_true", help="one JSON line per export (steps, problems, seconds)")
     t.add_argument("--python", default=str(TRAINERS_PYTHON),
@@ -285,10 +286,13 @@ def _train_check(args) -> int:
     if not os.path.exists(args.python):
         raise ConfigError(f"train-check: {args.python} does not exist: run `make trainers` first (it builds "
                           ".venv-trainers with SpecForge and speculators, ~1 min)")
+    from job.export.local_copy import local_copies  # per command: --help stays fast
+
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([args.python, "-m", "job.trainers", *args.exports, "--steps", str(args.steps),
-                           *(["--json"] if args.json else [])], env=env).returncode
+    with local_copies(args.exports, _storage(args)) as exports:
+        return subprocess.run([args.python, "-m", "job.trainers", *exports, "--steps", str(args.steps),
+                               *(["--json"] if args.json else [])], env=env).returncode
 
 
 def _train(args, stream: bool) -> int:

@@ -33,12 +33,10 @@ def train_check(exports: list[str]) -> dict[str, dict]:
     """`python -m job train-check --json` on the exports: {export dir: its result}; the exit status must agree."""
     proc = subprocess.run([sys.executable, "-m", "job", "train-check", *exports, "--steps", "5", "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            result = json.loads(line)
-            results[result["export"]] = result
-    assert set(results) == set(exports), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # One line per export, in their order (an s3:// export is checked from a local copy: its line names the copy).
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(exports), proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = dict(zip(exports, lines))
     assert proc.returncode == (1 if any(r["problems"] for r in results.values()) else 0), proc.stderr[-3000:]
     return results
 
@@ -53,14 +51,19 @@ def assert_trained(result: dict) -> None:
 
 @pytest.mark.slow
 def test_every_export_of_the_demo_run_trains(shared_run, tmp_path):
+    """...and a sample exported to S3 (`--limit`, as OPERATIONS proves a launcher) is checked from S3."""
     trainers_environment()
+    from job import storage
     from job.cli import main
 
     exports = []
     for to, fmt in FORMATS:
-        out = str(tmp_path / f"{to}-{fmt}")
-        assert main(["export", shared_run.full, "--to", to, "--format", fmt, "--output", out]) == 0
-        manifest = json.load(open(os.path.join(out, "export.json")))
+        on_s3 = (to, fmt) == ("speculators", "eagle3")
+        out = f"s3://{shared_run.bucket}/exports/{to}-{fmt}-sample" if on_s3 else str(tmp_path / f"{to}-{fmt}")
+        assert main(["export", shared_run.full, "--to", to, "--format", fmt, "--output", out,
+                     *(["--limit", "24"] if on_s3 else [])]) == 0
+        manifest = storage.read_json(storage.join(out, "export.json"))
+        assert not on_s3 or manifest["num_samples"] == 24
         # The manifest: the trainer's default layers in both conventions, a draft config that names them.
         assert manifest["layers"]["our_aux_layer_ids"] == [0, 1, 2]
         assert manifest["layers"]["vllm_aux_layer_ids"] == [1, 2, 3]
@@ -183,3 +186,26 @@ def test_acceptance_is_counted_right(shared_run, tmp_path):
     assert max(abs(a - b) for a, b in zip(r["draft"]["greedy_tau"], r["trainer_cond_acc_tau"])) < 2e-3, r
     assert all(1.0 <= t <= a for t, a in zip(r["draft"]["sampled_tau"], r["always_right"])), r
     assert 0.3 < r["data_is_target_argmax"] <= 1  # the shared run samples at T 1: ~50 % are the target's argmax
+
+
+def test_train_check_copies_only_a_sample_from_s3(s3_bucket, tmp_path):
+    """An s3:// export is copied here for the trainers' loaders, unless it is the size of a run's (then the error
+    says to export a sample); a prefix with nothing under it is named. Local exports pass through as they are."""
+    from job import storage
+    from job.config import ConfigError
+    from job.export.local_copy import local_copies
+
+    uri = f"s3://{s3_bucket}/exports/x"
+    storage.write_bytes_atomic(f"{uri}/export.json", b"{}")
+    storage.write_bytes_atomic(f"{uri}/hidden_states/hs_0.safetensors", b"0" * 1000)
+    with local_copies([str(tmp_path), uri]) as local:
+        assert local[0] == str(tmp_path)
+        assert open(os.path.join(local[1], "hidden_states", "hs_0.safetensors"), "rb").read() == b"0" * 1000
+        copy = local[1]
+    assert not os.path.exists(copy)
+    with pytest.raises(ConfigError, match="export a sample"):
+        with local_copies([uri], max_bytes=500):
+            pass
+    with pytest.raises(ConfigError, match="holds no files"):
+        with local_copies([f"s3://{s3_bucket}/exports/none"]):
+            pass
