@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stages(sub, run_dir)
     _add_export(sub, run_dir)
     _add_training(sub, run_dir)
+    _add_worth(sub, run_dir)
     _add_read_side(sub, run_dir)
     _add_builtin(sub)
     return parser
@@ -142,6 +143,9 @@ def _add_training(sub, run_dir: list) -> None:
     tr.add_argument("--config", help="the run config (default: the run's own, from its run.json)")
     tr.add_argument("--stream", action="store_true",
                     help="train on stage 2's stream (nothing stored) instead of the run's stored hidden states")
+    tr.add_argument("--holdout", type=float, metavar="FRACTION",
+                    help="leave the samples whose id falls in this fraction (by a hash of the id) untrained: "
+                         "`python -m job worth` serves on them")
 
     o = sub.add_parser("train-online", help="the same as `train RUN --stream` (its earlier name)", parents=run_dir)
     o.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
@@ -149,6 +153,20 @@ def _add_training(sub, run_dir: list) -> None:
     o.add_argument("--storage-path", dest="checkpoints", help="where Ray Train keeps checkpoints (default: "
                                                                  "RUN/drafts/NAME/checkpoints)")
     _training_flags(o)
+
+
+def _add_worth(sub, run_dir: list) -> None:
+    w = sub.add_parser("worth", help="what the run's data is worth on its target: a draft trained with a held-out "
+                                      "slice left out, served by vLLM beside the untrained draft and the target's "
+                                      "own MTP head, on that slice (job/worth/)", parents=run_dir)
+    w.add_argument("run", help="the run directory (local or s3://), its stage 2 done")
+    _training_flags(w)
+    w.add_argument("--holdout", type=float, default=0.1,
+                   help="the fraction of samples (by a hash of the id) left out of training and served on "
+                        "(default %(default)s)")
+    w.add_argument("--rows", type=int, default=32, help="held-out prompts served (default %(default)s)")
+    w.add_argument("--k", type=int, help="draft length served (default: the draft's own, 3 for EAGLE-3)")
+    w.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default %(default)s)")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
@@ -295,20 +313,38 @@ def _train_check(args) -> int:
                                *(["--json"] if args.json else [])], env=env).returncode
 
 
+def _worth(args) -> int:
+    from job.train.run import run_config_of  # per command: --help stays fast
+    from job.worth import WorthOptions, run_worth  # per command: --help stays fast
+
+    train = _train_options(args, stream=False, name=args.name or f"worth-{args.format}")
+    options = WorthOptions(format=args.format, holdout=args.holdout, rows=args.rows, k=args.k,
+                           max_tokens=args.max_tokens, train=train)
+    config = run_config_of(args.run, _storage(args), None, model=args.model)
+    run_worth(config, options, take_lock=args.take_lock)
+    return 0
+
+
 def _train(args, stream: bool) -> int:
-    from job.train import TrainOptions  # per command: --help stays fast
     from job.train.run import run_config_of, run_train  # per command: --help stays fast
 
-    options = TrainOptions(format=args.format, name=args.name, stream=stream, to=args.to, layers=args.layers,
-                           num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
-                           gpus_per_worker=args.gpus_per_worker, object_store_bytes=args.object_store_bytes,
-                           checkpoint_every=args.checkpoint_every, max_failures=args.max_failures,
-                           epochs=args.epochs, lr=args.lr, speculative_tokens=args.speculative_tokens,
-                           checkpoints=args.checkpoints)
+    options = _train_options(args, stream)
     run = args.run if args.command == "train" else args.output
     config = run_config_of(run, _storage(args), args.config, model=args.model, limit=args.limit)
     run_train(config, options, take_lock=args.take_lock)
     return 0
+
+
+def _train_options(args, stream: bool, **over):
+    from job.train import TrainOptions  # per command: --help stays fast
+
+    given = dict(format=args.format, name=args.name, stream=stream, to=args.to, layers=args.layers,
+                 num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
+                 gpus_per_worker=args.gpus_per_worker, object_store_bytes=args.object_store_bytes,
+                 checkpoint_every=args.checkpoint_every, max_failures=args.max_failures, epochs=args.epochs,
+                 lr=args.lr, speculative_tokens=args.speculative_tokens, checkpoints=args.checkpoints,
+                 holdout=getattr(args, "holdout", None))
+    return TrainOptions(**{**given, **over})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +404,8 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "train-check":
         return _train_check(args)
+    if args.command == "worth":
+        return _worth(args)
     if args.command in ("train", "train-online"):
         return _train(args, stream=args.command == "train-online" or args.stream)
     if args.command == "report":

@@ -122,6 +122,14 @@ def draft_stage(name: str) -> str:
 SERVED_DRAFT_DIR = "draft"
 TRAIN_MANIFEST = "train.json"
 TRAIN_CHECKPOINTS_DIR = "checkpoints"
+WORTH_DIR = f"{REPORTS_DIR}/worth"
+"""`python -m job worth`'s served results, one JSON per drafter and format: a rerun serves only what is missing."""
+WORTH_REPORT = "worth.json"
+
+
+def worth_stage(fmt: str) -> str:
+    """The stage key of `python -m job worth --format FMT`: its writer lock and its run.json section."""
+    return f"worth-{fmt}"
 
 
 def attempts_name(unit: CompletionUnit) -> str:

@@ -94,13 +94,24 @@ class TrainRecord(StageRecord):
     last_loss: float | None = None
 
 
+@dataclass(kw_only=True)
+class WorthRecord(StageRecord):
+    """`python -m job worth --format FMT` (the section `worth-FMT`): its verdict; the figures are in
+    reports/worth.json."""
+    verdict: str | None = None
+    worth_training: bool | None = None
+    """True / False against the target's MTP head; None where the target has none (or it could not be served)."""
+
+
 STAGE_RECORDS: dict[str, type[StageRecord]] = {"generate": GenerateRecord, "hidden_states": HiddenStatesRecord}
-"""The section of each stage, by its key (job/stage.py `Stage.key`); `train-<name>` reads as a TrainRecord, another
-key as a plain StageRecord."""
+"""The section of each stage, by its key (job/stage.py `Stage.key`); `train-<name>` reads as a TrainRecord,
+`worth-<format>` as a WorthRecord, another key as a plain StageRecord."""
 
 
 def record_class(key: str) -> type[StageRecord]:
-    return STAGE_RECORDS.get(key) or (TrainRecord if key.startswith("train-") else StageRecord)
+    if key in STAGE_RECORDS:
+        return STAGE_RECORDS[key]
+    return TrainRecord if key.startswith("train-") else WorthRecord if key.startswith("worth-") else StageRecord
 
 
 @dataclass(kw_only=True)

@@ -43,6 +43,13 @@ def is_hybrid(config: dict) -> bool:
     return "linear_attention" in (text_config(config).get("layer_types") or [])
 
 
+def mtp_layers(config: dict) -> int:
+    """The layers of the model's own multi-token-prediction head (Qwen3.5/3.6 `mtp_num_hidden_layers`, DeepSeek's
+    `num_nextn_predict_layers`); 0: it has none. vLLM serves it as a draft with `{"method": "mtp"}`."""
+    text = text_config(config)
+    return int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 0)
+
+
 def is_multimodal(config: dict) -> bool:
     """A `*ForConditionalGeneration` checkpoint (a vision tower beside the language model)."""
     architectures = config.get("architectures") or []

@@ -32,7 +32,7 @@ LAYERS = [
     ("the trainers' side", {"trainers"}),
     ("runner", {"lock", "run_record", "scan", "cluster", "progress", "pipeline", "stage"}),
     ("stages", {"generate", "hidden_states"}),
-    ("commands", {"export", "runview", "train", "builtin"}),
+    ("commands", {"export", "runview", "train", "worth", "builtin"}),
     ("entry", {"cli", "__main__"}),
 ]
 LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

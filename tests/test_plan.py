@@ -245,6 +245,14 @@ def test_from_the_demo_run_uses_its_own_model_and_says_cpu(tmp_path, capsys):
     assert cli.main(["plan", "--from", run, "--gpus", "8", "--tokens-per-s-per-gpu", "2000", "--prompts", "914000",
                       "--usd-per-gpu-hour", "3.81"]) == 0
     assert "8 GPUs × 2,000 tok/s per GPU" in capsys.readouterr().out
+    # `python -m job worth`'s verdict on the run, once it has one (its report's own line, and the speed-up).
+    (Path(run) / "reports").mkdir(exist_ok=True)
+    (Path(run) / "reports" / "worth.json").write_text(json.dumps({"formats": {"eagle3": {
+        "verdict": "trained eagle3: τ 2.10 at k = 3 at the run's sampling, +0.40 over the untrained draft (1.70)",
+        "drafters": {"trained": {"speedup_sampled": 0.61}}}}}))
+    assert cli.main(["plan", "--from", run, "--usd-per-gpu-hour", "5"]) == 0
+    assert ("worth    trained eagle3: τ 2.10 at k = 3 at the run's sampling, +0.40 over the untrained draft (1.70); "
+            "decode ×0.61 against the target alone where `worth` ran") in capsys.readouterr().out
 
 
 def test_from_a_run_with_stage_2_takes_what_stage_2_recorded(tmp_path, capsys):

