@@ -10,6 +10,7 @@
 # On the GPU machine, from the repository root, wheels installed (../shared/gpu/README.md; bench/gpu_train_wheels.txt
 # adds speculators' training code):
 #   OUT=$OUT bash bench/gpu_train.sh gpu-train-run gpu-heldout-run
+# SERVE=0 stops after the training (a machine given Ray and speculators without vLLM: a 90 MB wheel set, not 440 MB).
 set -u
 export PYTHONPATH=/root/site:$PWD
 RUN=$1
@@ -32,6 +33,7 @@ for fmt in eagle3 dflash; do
     --checkpoint-every 100 2>&1 | quiet | tail -n 8 | tee -a "$log"
 done
 kill $SMI
+if [ "${SERVE:-1}" = 0 ]; then say "done (SERVE=0: no vLLM on this machine)"; exit 0; fi
 say "serve"
 timeout 240 python bench/gpu_serve_drafts.py --run "$RUN" --heldout "$HELDOUT" --config "$CONFIG" --out "$OUT" \
   2>&1 | grep "^RESULT\|Error\|error" | tail -n 20 | tee -a "$log"
