@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	echo 'torch==2.13.0' > .venv/overrides.txt
 	.venv/bin/uv pip install --quiet --python $(PY) --override .venv/overrides.txt -e '.[cpu,dev]'
 	.venv/bin/uv pip uninstall --quiet --python $(PY) torchaudio torchcodec || true
-	# speculators' draft model and loss, for `python -m job train-online` (Ray Train workers run .venv's interpreter).
+	# speculators' draft model and loss, for `python -m job train` and `worth` (Ray Train workers run .venv's interpreter).
 	# --no-deps: its own requirements would downgrade fsspec (2026.9.0 → 2026.7.0, datasets' pin) and add a
 	# torchaudio built against torch 2.11, which breaks `import transformers`; torch and transformers already fit.
 	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
@@ -102,7 +102,7 @@ $(TRAINERS_STAMP): job/trainers/requirements.txt
 # (19.6 min measured in a fresh clone, docs/BENCHMARKS.md).
 # ACCEPTANCE_ARGS=--served also serves each draft with the target in vLLM's CPU build and counts τ by the engine's
 # own spec-decode counters (bench/served_acceptance.py: 5 more engines, greedy and sampled); "--served --dflash"
-# also trains a DFlash draft per set and serves it (4 more). Not yet timed end to end here (~50 min estimated).
+# also trains a DFlash draft per set and serves it (4 more): 50.3 min here (docs/BENCHMARKS.md).
 ACCEPTANCE_ARGS ?=
 acceptance: install $(TINY_MODEL) $(TRAINERS_STAMP)
 	$(PY) bench/bench_acceptance.py $(ACCEPTANCE_ARGS)

@@ -126,7 +126,7 @@ def table(report: dict) -> str:
              f"{report['max_tokens']} tokens each; the run's sampling {report['sampling']}); the draft trained on "
              f"{report['trained_samples']:,} samples in {report['trained_steps']:,} steps",
              f"  {'drafter':<20} {'τ sampled':>9} {'τ greedy':>9}  {'τ at j = 1..k (sampled)':<26} "
-             f"{'accept/pos (sampled)':<22} {'tokens/s':>9} {'× target':>8}  greedy = target's"]
+             f"{'accept j | j-1 (sampled)':<24} {'tokens/s':>9} {'× target':>8}  greedy = target's"]
     for name, figures in report["drafters"].items():
         label = NAMES[name].format(fmt=fmt)
         if "error" in figures:
