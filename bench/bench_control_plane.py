@@ -242,7 +242,10 @@ def write_shards(config, files, carried, rows_per_shard: int, tokens_per_row: in
                                          u.stop + u.file_index * SHARDS_PER_FILE * n)]
         columns = {**fixed, schema.ID: pa.array(ids), **{f.name: pa.array([f"prompt {i}" for i in ids])
                                                            for _, f in schema.carried_columns(carried)}}
-        table = pa.Table.from_arrays([columns[f.name] for f in out_schema], schema=out_schema)
+        # A column the engine writes that this builder does not fill (one added to the schema later) is null: the
+        # steps read ids, counts and footers, never its values.
+        table = pa.Table.from_arrays([columns.get(f.name, pa.nulls(len(ids), f.type)) for f in out_schema],
+                                     schema=out_schema)
         shard_id = uuid.uuid4().hex  # as the engine stamps it (job/generate/engine.py `_to_table`)
         table = table.replace_schema_metadata({schema.META_SHARD_ID: shard_id,
                                                schema.META_COUNTS: json.dumps(scan.shard_counts(table))})

@@ -10,7 +10,7 @@
 # On the GPU machine, from the repository root, wheels installed (../shared/gpu/README.md; bench/gpu_train_wheels.txt
 # adds speculators' training code):
 #   OUT=$OUT bash bench/gpu_train.sh gpu-train-run gpu-heldout-run
-# SERVE=0 stops after the training (a machine given Ray and speculators without vLLM: a 90 MB wheel set, not 440 MB).
+# FORMATS=eagle3 trains one format only; SERVE=0 stops after the training (a machine given Ray and speculators without vLLM: a 90 MB wheel set, not 440 MB).
 set -u
 export PYTHONPATH=/root/site:$PWD
 RUN=$1
@@ -27,7 +27,7 @@ nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=
 SMI=$!
 say "stage 2"
 timeout 150 python -m job hidden-states --config "$CONFIG" --output "$RUN" 2>&1 | quiet | tail -n 12 | tee -a "$log"
-for fmt in eagle3 dflash; do
+for fmt in ${FORMATS:-eagle3 dflash}; do
   say "train $fmt"
   timeout 200 python -m job train "$RUN" --format "$fmt" --gpus-per-worker 1 --cpus-per-worker 4 \
     --checkpoint-every 100 2>&1 | quiet | tail -n 8 | tee -a "$log"
