@@ -1,7 +1,8 @@
 """`engine_kwargs.max_num_seqs: auto` (job/generate/engine_sizing.py) on the production config and the 27B hybrid
 shape, for the two GPU types cluster.yaml offers. The sums against vLLM's own pool are checked end to end on the tiny
-hybrid (test_generate.py::test_hybrid_end_to_end[mtp]), on an H200 (docs/BENCHMARKS.md, issue 34) and an H100
-(issue 49); the fast tests below hold the sums to the figures vLLM 0.26 printed on those two GPUs."""
+hybrid (test_generate.py::test_hybrid_end_to_end[mtp]), on an H200 (docs/BENCHMARKS.md) and an H100
+(bench/results/h100_max_num_seqs_auto); the fast tests below hold the sums to the figures vLLM 0.26 printed on
+those two GPUs."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ PROD_CONFIG = str(REPO / "configs" / "qwen3.6-27b.yaml")
 # Total memory as the driver reports it (nvidia-smi: 143,771 MiB on the H200; ~183,359 MiB on a B200).
 H200 = ("NVIDIA H200", 143_771 * 2 ** 20)
 B200 = ("NVIDIA B200", 183_359 * 2 ** 20)
-H100 = ("NVIDIA H100 80GB HBM3", 81_559 * 2 ** 20)  # "pool 79.6 GiB" in issue 49's line
+H100 = ("NVIDIA H100 80GB HBM3", 81_559 * 2 ** 20)  # "pool 79.6 GiB" in the H100 run's line
 
 # The 27B hybrid shape (bench/dummy_model.py: bench_hybrid_stage2.SHAPE_27B on the tiny hybrid's text config) as
 # config.json gives it, without building anything: what the sums read.
@@ -38,13 +39,13 @@ TEXT_27B = dict(vocab_size=248_320, hidden_size=5_120, intermediate_size=17_408,
                 max_position_embeddings=40_960, mamba_ssm_dtype="float32", dtype="bfloat16", mtp_num_hidden_layers=1,
                 layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
 CONFIG_27B = {"text_config": TEXT_27B}
-# The production engine settings (configs/qwen3.6-27b.yaml) that issues 34 and 49 ran.
+# The production engine settings (configs/qwen3.6-27b.yaml) that the H200 and H100 runs used.
 PROD_EK = {"max_model_len": 40_960, "max_num_batched_tokens": 16_384, "gpu_memory_utilization": 0.92,
            "enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
 WEIGHTS_27B_MTP = 54_641_000_000  # engine_sizing.weight_bytes of that shape with MTP (50.9 GiB; vLLM: 51.02)
 # vLLM 0.26's own pools with these settings, in blocks of 17 layers x 800 tokens x 4,096 B, by the max_num_seqs the
-# engine started with: an H100 (issue 49, bench/results/h100_issue49: "18.6 GiB" at 8 from the issue's run, stage 1's
-# engine at 17, the bench's engines at 34 and 44) and an H200 (issue 34, at 64).
+# engine started with: an H100 (bench/results/h100_max_num_seqs_auto: "18.6 GiB" at 8 from that run, stage 1's
+# engine at 17, the bench's engines at 34 and 44) and an H200 (at 64).
 VLLM_BLOCKS = {"H100": {8: 358, 17: 357, 34: 343, 44: 339}, "H200": {64: 1_423}}
 
 
@@ -99,7 +100,7 @@ def test_sized_at_the_runs_length_mix():
 
 def test_the_check_after_start_names_vllms_figure():
     """The line the engine logs once vLLM has laid out its cache: what vLLM's pool holds, and the value to pin when
-    the sums chose fewer (issue 34's H200: 64 chosen, 71 held) or more (a warning in engine.py)."""
+    the sums chose fewer (the H200 run: 64 chosen, 71 held) or more (a warning in engine.py)."""
     sizing = _sizing(H100)
     line, holds = check_against_vllm(sizing, VLLM_BLOCKS["H100"][17], "Available KV cache memory: 18.55 GiB")
     assert holds == 17 == sizing.max_num_seqs and "(vLLM: 18.6 GiB available)" in line and "more would" not in line
@@ -117,7 +118,7 @@ def dummy_27b(tiny_hybrid_dir: str, tmp_path: Path) -> str:
 
 
 def test_the_27b_cache_laid_out_as_vllm_lays_it_out(tiny_hybrid_dir, tmp_path):
-    """The figures vLLM 0.26 logged for this shape on an H200 with MTP (docs/BENCHMARKS.md, issue 34): 800-token
+    """The figures vLLM 0.26 logged for this shape on an H200 with MTP (docs/BENCHMARKS.md): 800-token
     attention blocks (a GDN state is 3,207,168 bytes: 10,240 conv channels x 3 x 2 B + 48 heads x 128 x 128 x 4 B; a
     block of one layer's KV, 4,096 B a token, as large, in multiples of 32 tokens), one page per layer in groups of 16
     layers, and 17 with the MTP layer's KV (vLLM's 1.5x rule keeps it from doubling the groups); its pool of 1,423
