@@ -1,0 +1,41 @@
+"""The benchmarks still run: nothing runs them otherwise, and a schema or API change that breaks one is found only when
+someone needs its figure (bench_control_plane.py failed on `KeyError: 'variant'` for days after the sampling-variants
+column was added). Every script's imports, in one process; the control-plane bench at its smallest size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+BENCH = REPO / "bench"
+
+
+def test_every_bench_script_imports_what_it_names():
+    """Each bench/*.py imported as a module (its `main` not run): every name it takes from `job` or a neighbour still
+    exists. Scripts that need a GPU import their CUDA-only packages inside `main`, so they import here too."""
+    scripts = sorted(p.stem for p in BENCH.glob("*.py"))
+    assert len(scripts) >= 15, scripts
+    code = ("import importlib, sys\n"
+            f"sys.path[:0] = [{str(BENCH)!r}, {str(REPO)!r}]\n"
+            "failed = []\n"
+            f"for name in {scripts!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception as e:\n"
+            "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
+            "print('\\n'.join(failed)); sys.exit(1 if failed else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_control_plane_bench_builds_a_run_of_today_s_schema_and_times_its_steps(tmp_path, tiny_model_dir):
+    """bench_control_plane.py at 20 shards, local: it builds completion and hidden-state shards of today's schema
+    (the engine's columns, the stage-2 parts) and times the export selection, stage 2's plan and status over them."""
+    done = subprocess.run([sys.executable, str(BENCH / "bench_control_plane.py"), "--shards", "20", "--where", "local",
+                           "--steps", "dbc", "--workdir", str(tmp_path), "--model", str(tiny_model_dir)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| local | 20 |" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["export selection", "stage-2 plan", "status"], done.stdout
