@@ -1,4 +1,4 @@
-"""deploy/kuberay/ (issue 43): the RayJob parses, its entrypoint is the command docs/OPERATIONS.md prints and the
+"""deploy/kuberay/: the RayJob parses, its entrypoint is the command docs/OPERATIONS.md prints and the
 job's parser accepts, no secret value is in it (job/redaction.py's detectors, and every secret-named variable comes
 from a Secret), every container has the bucket's region, the GPU workers ask for GPUs, and the image installs the
 `gpu` extra. What cannot be checked here (no Kubernetes cluster): that KubeRay runs it."""
@@ -103,3 +103,46 @@ def test_the_image_has_the_package_and_its_gpu_extra():
     assert "import fla, vllm, job.generate, job.hidden_states" in text  # checked at build time
     rayjob_text = RAYJOB.read_text()
     assert f'rayVersion: "{ray.__version__}"' in rayjob_text
+
+
+SERVICE_ACCOUNT = REPO / "deploy" / "kuberay" / "serviceaccount.yaml"
+
+
+def test_token_auth_and_the_pods_iam_role_trusts_exactly_their_service_account(rayjob):
+    """Ray's token auth on the cluster the RayJob makes (the head's dashboard listens on every interface); every pod
+    runs as the service account serviceaccount.yaml makes, whose IRSA role OPERATIONS creates trusting that one
+    account (namespace and name) and nothing else."""
+    assert rayjob["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    account = yaml.safe_load(SERVICE_ACCOUNT.read_text())
+    assert account["kind"] == "ServiceAccount"
+    name, namespace = account["metadata"]["name"], account["metadata"]["namespace"]
+    for pod, spec in _pod_specs(rayjob).items():
+        if pod != "submitter":  # the submitter only talks to the head's job API: no S3
+            assert spec["serviceAccountName"] == name, pod
+    arn = account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    role = arn.rsplit("/", 1)[1]
+    operations = (REPO / "docs" / "OPERATIONS.md").read_text()
+    assert f'"$OIDC:sub": "system:serviceaccount:{namespace}:{name}"' in operations
+    create = f"aws iam create-role --role-name {role} --assume-role-policy-document file:///tmp/pods-trust.json"
+    s3 = f"aws iam put-role-policy --role-name {role} --policy-name s3 --policy-document file:///tmp/datagen-s3.json"
+    assert create in operations and s3 in operations  # s3: step 1's policy, writes only under runs/
+
+
+def test_the_other_steps_rayjobs_made_as_operations_says_run_commands_the_job_parses(tmp_path):
+    """OPERATIONS' loop that makes stage 2's, worth's and train's RayJobs from rayjob.yaml, run as printed (its files
+    put under tmp_path): each parses, has its own name, and its entrypoint is a command the job's parser accepts."""
+    import subprocess
+
+    operations = (REPO / "docs" / "OPERATIONS.md").read_text()
+    start = operations.index('for step in "hidden-states:')
+    loop = operations[start:operations.index("done\n", start) + len("done\n")].replace("/tmp/", f"{tmp_path}/")
+    subprocess.run(["bash", "-euc", loop], cwd=REPO, check=True)
+    made = {}
+    for path in sorted(tmp_path.glob("rayjob-*.yaml")):
+        (job,) = yaml.safe_load_all(path.read_text())
+        argv = shlex.split(job["spec"]["entrypoint"])
+        assert argv[:3] == ["python", "-m", "job"]
+        made[job["metadata"]["name"]] = cli.build_parser().parse_args(argv[3:]).command
+        assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    assert made == {"drafter-datagen-hidden-states": "hidden-states", "drafter-datagen-worth": "worth",
+                    "drafter-datagen-train": "train"}
