@@ -77,7 +77,8 @@ def _add_stages(sub, run_dir: list) -> None:
     """generate (stage 1) and hidden-states (stage 2)."""
     g = sub.add_parser("generate", help="stage 1: prompts → completion shards", parents=run_dir)
     _common(g)
-    g.add_argument("--input", help="folder or prefix of prompt parquet shards (overrides the config)")
+    g.add_argument("--input", help="the prompts: a folder, prefix or file of parquet, JSON Lines (.jsonl, .gz, .zst) "
+                   "or Arrow (overrides the config)")
     g.add_argument("--chat-template", help="Jinja chat template file that replaces the model's own")
     g.add_argument("--no-canary", action="store_true", help="skip the quality check on the first rows")
 

@@ -271,3 +271,17 @@ def test_from_a_run_with_stage_2_takes_what_stage_2_recorded(tmp_path, capsys):
                                      (2_285_000_000, "2.285B")])
 def test_counts_print_readably(n, text):
     assert plan._count(n) == text
+
+
+def test_plan_into_head_ends_quietly():
+    """`python -m job plan ... | head -1`, as a user pipes it: the first line, then no traceback when head leaves."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    done = subprocess.run(f"{sys.executable} -m job plan --prompts 914000 --tokens-per-prompt 2500 --gpus 8 "
+                          "--tokens-per-s-per-gpu 2000 --usd-per-gpu-hour 3.81 | head -1", shell=True, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("target ") and done.stdout.count("\n") == 1, done.stdout
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
