@@ -181,7 +181,10 @@ def test_acceptance_is_counted_right(shared_run, tmp_path):
     assert "disagrees with the target's own final norm" not in proc.stderr  # Qwen3's norm is speculators' (Llama's)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["draft"]["blocks"] == r["target_as_drafter"]["blocks"] > 500, r
-    assert [round(t, 3) for t in r["target_as_drafter"]["greedy_tau"]] == [round(t, 3) for t in r["always_right"]]
+    # Equal but for at most one slot of the ~1,000 blocks: an argmax tie the two computations break apart (CI saw
+    # 3.975 against 3.974 once, 2026-12-07: one slot in 1,000; rounding to 3 places hid it in every other run).
+    one_slot = 1 / r["draft"]["blocks"] + 1e-9
+    assert max(abs(a - b) for a, b in zip(r["target_as_drafter"]["greedy_tau"], r["always_right"])) <= one_slot, r
     assert max(abs(a - b) for a, b in zip(r["target_as_drafter"]["sampled_tau"], r["always_right"])) < 1e-3
     assert max(abs(a - b) for a, b in zip(r["draft"]["greedy_tau"], r["trainer_cond_acc_tau"])) < 2e-3, r
     assert all(1.0 <= t <= a for t, a in zip(r["draft"]["sampled_tau"], r["always_right"])), r
