@@ -125,8 +125,14 @@ def test_iam_policies_in_the_runbook_are_least_privilege():
 
     text = open(os.path.join(ROOT, "docs", "OPERATIONS.md")).read()
     docs = dict(re.findall(r"cat > /tmp/([\w-]+)\.json <<'?JSON'?\n(.*?)\nJSON\n", text, flags=re.S))
-    assert set(docs) == {"ec2-trust", "datagen-s3", "datagen-head"}, sorted(docs)
-    policies = {k: json.loads(v.replace("$BUCKET", "b").replace("$ACCOUNT", "123")) for k, v in docs.items()}
+    assert set(docs) == {"ec2-trust", "datagen-s3", "datagen-head", "pods-trust"}, sorted(docs)
+    policies = {k: json.loads(v.replace("$BUCKET", "b").replace("$ACCOUNT", "123").replace("$OIDC", "oidc.example"))
+                for k, v in docs.items()}
+    # KubeRay's pods (EKS IRSA): the role is assumed only through the cluster's OIDC provider, by one service account.
+    (trust,) = policies["pods-trust"]["Statement"]
+    assert trust["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert trust["Principal"] == {"Federated": "arn:aws:iam::123:oidc-provider/oidc.example"}
+    assert trust["Condition"]["StringEquals"]["oidc.example:sub"].startswith("system:serviceaccount:")
     assert "attach-role-policy" not in text and "s3:*" not in text and '"ec2:*"' not in text
 
     grants = [(a, r) for st in policies["datagen-s3"]["Statement"] for a in _list(st["Action"])
@@ -142,7 +148,7 @@ def test_iam_policies_in_the_runbook_are_least_privilege():
     with open(CLUSTER_YAML) as f:
         assert yaml.safe_load(f)["cluster_name"] == "drafter-datagen"  # the tag the terminate condition names
     for role, policy in (("drafter-datagen-worker", "datagen-s3"), ("ray-autoscaler-v1", "datagen-s3"),
-                         ("ray-autoscaler-v1", "datagen-head")):
+                         ("ray-autoscaler-v1", "datagen-head"), ("drafter-datagen-pods", "datagen-s3")):
         assert re.search(rf"--role-name {role} --policy-name \S+ --policy-document file:///tmp/{policy}\.json", text)
 
 
