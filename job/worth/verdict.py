@@ -140,7 +140,7 @@ def table(report: dict) -> str:
         ladder = " ".join(f"{v:.2f}" for v in s.get("tau_at_draft_length", [])) or "-"
         accept = " ".join(f"{v:.2f}" for v in s.get("accept_per_position", [])) or "-"
         same = figures.get("lossless")
-        lines.append(f"  {label:<20} {_f(s.get('tau')):>9} {_f(g.get('tau')):>9}  {ladder:<26} {accept:<22} "
+        lines.append(f"  {label:<20} {_f(s.get('tau')):>9} {_f(g.get('tau')):>9}  {ladder:<26} {accept:<24} "
                      f"{s.get('tokens_per_s', 0):>9,.1f} {_f(figures.get('speedup_sampled')):>8}  "
                      + (f"{same['same']}/{same['of']}" if same else "-"))
     by_length = {name: f.get("sampled", {}).get("tau_by_prompt_length") for name, f in report["drafters"].items()
