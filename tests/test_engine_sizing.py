@@ -157,3 +157,17 @@ def test_auto_on_the_production_config_per_gpu_type(tiny_hybrid_dir, tmp_path):
     assert config.generate.rows_per_shard * config.generate.units_in_flight_per_engine >= 2 * b200.max_num_seqs
     # The same GPU type gives the same value (the compile cache is keyed on it): nothing read but config and total.
     assert auto_max_num_seqs(model, ek, tokens, H200) == h200
+
+
+def test_the_docs_repeat_the_sums_figures():
+    """The concurrency the README, OPERATIONS and the production config quote for `auto` is what the sums give on each
+    GPU (B200: computed from its memory, never measured): a change to the sums fails here until the docs follow."""
+    h100, h200, b200 = (_sizing(d).max_num_seqs for d in (H100, H200, B200))
+    assert (h100, h200, b200) == (17, 70, 103)
+    readme = (REPO / "README.md").read_text()
+    operations = (REPO / "docs" / "OPERATIONS.md").read_text()
+    config = (REPO / "configs" / "qwen3.6-27b.yaml").read_text()
+    assert f"`max_num_seqs: auto`: {h200} on an H200, {b200} on a B200 with MTP" in readme
+    assert f"{h200} on an H200, {b200} on a B200, {h100} on an" in operations
+    assert f"H200 (143,771 MiB): {h200}; B200 (~183,359 MiB): {b200}; H100: {h100}" in config
+    assert f"2 × max_num_seqs ({2 * h200} on an H200, {2 * b200} on a B200)" in config  # the admission gate's
