@@ -43,9 +43,9 @@ def completions(run: str, n: int) -> list[tuple[list[int], list[int]]]:
     return [(list(r["prompt_token_ids"]), list(r["output_token_ids"])) for r in rows[:n]]
 
 
-def run_model(model_dir: str):
+def model_of_run(run: str) -> str:
     """The run's model directory, from its run.json."""
-    record = json.load(open(os.path.join(model_dir, "run.json")))
+    record = json.load(open(os.path.join(run, "run.json")))
     return record["config"]["model"]
 
 
@@ -153,7 +153,7 @@ def main() -> None:
     results = {}
     for spec in args.run:
         name, run = spec.split("=", 1)
-        results[name] = measure(name, run_model(run), completions(run, args.samples))
+        results[name] = measure(name, model_of_run(run), completions(run, args.samples))
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,7 +10,8 @@
 # On the GPU machine, from the repository root, wheels installed (../shared/gpu/README.md; bench/gpu_train_wheels.txt
 # adds speculators' training code):
 #   OUT=$OUT bash bench/gpu_train.sh gpu-train-run gpu-heldout-run
-# FORMATS=eagle3 trains one format only; SERVE=0 stops after the training (a machine given Ray and speculators without vLLM: a 90 MB wheel set, not 440 MB).
+# FORMATS=eagle3 trains one format only; SERVE=0 stops after the training (a machine
+# given Ray and speculators without vLLM: a 90 MB wheel set, not 440 MB, made by bench/gpu_train_wheels_small.sh).
 set -u
 export PYTHONPATH=/root/site:$PWD
 RUN=$1
