@@ -27,11 +27,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$log"
 nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -l 1 > "$OUT/gpu_processes.csv" &
 SMI=$!
 say "stage 2"
-timeout 150 python -m job hidden-states --config "$CONFIG" --output "$RUN" 2>&1 | quiet | tail -n 12 | tee -a "$log"
+timeout 150 python -m job hidden-states --config "$CONFIG" --output "$RUN" 2>&1 | tee "$OUT/stage2.log" | quiet | tail -n 12 | tee -a "$log"
 for fmt in ${FORMATS:-eagle3 dflash}; do
   say "train $fmt"
   timeout 200 python -m job train "$RUN" --format "$fmt" --gpus-per-worker 1 --cpus-per-worker 4 \
-    --checkpoint-every 100 2>&1 | quiet | tail -n 8 | tee -a "$log"
+    --checkpoint-every 100 2>&1 | tee "$OUT/train-$fmt.log" | quiet | tail -n 8 | tee -a "$log"
+  cp "$RUN/drafts/$fmt/manifest.json" "$OUT/manifest-$fmt.json" 2>/dev/null
 done
 kill $SMI
 if [ "${SERVE:-1}" = 0 ]; then say "done (SERVE=0: no vLLM on this machine)"; exit 0; fi

@@ -219,3 +219,39 @@ def test_the_norm_fix_replaces_speculators_verifier_norm_only_where_it_is_wrong(
     x = torch.randn(4, own.weight.shape[0], generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.allclose(draft.verifier_norm(x).float(), own(x), atol=1e-5)
+
+
+@pytest.mark.slow  # the tiny hybrid's build
+@pytest.mark.parametrize("fmt", ["eagle3", "dflash"])
+def test_the_served_draft_rotates_as_the_trained_one(fmt, tiny_hybrid_dir, tmp_path):
+    """The draft directory `train` saves is what vLLM builds the draft from: its rotary embedding (vLLM's `get_rope`
+    over the saved layer config's rope parameters, as qwen3_dflash and llama_eagle3 call it) must rotate queries as
+    the trained draft's did. Qwen3.5/3.6 configs name M-RoPE sections (which vLLM refuses in a DFlash draft) and a
+    partial rotary factor of 0.25 (which the draft's rotary does not apply): served as copied, a DFlash draft of
+    Qwen3.6 would not load (seen with vLLM 0.26 on an H100), and with a factor of 0.25 it would rotate a quarter of
+    each head."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from job.train.step import OnlineDraftStep
+    from job.trainers import speculators
+
+    draft_config = speculators.draft_config({"to": "speculators", "format": fmt, "model": tiny_hybrid_dir,
+                                             "layers": {"our_layer_ids": [0, 1, 2]}, "tiny": True})
+    step = OnlineDraftStep(draft_config, fmt, tiny_hybrid_dir, str(tmp_path / "work"))
+    trained = next(m for m in step.model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    saved = json.load(open(os.path.join(step.save_served(str(tmp_path / "draft")), "config.json")))
+    layer = saved["transformer_layer_config"]
+    if fmt == "dflash":  # vLLM refuses M-RoPE in a DFlash draft
+        assert not {"mrope_section", "mrope_interleaved"} & set(layer["rope_parameters"])
+    head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
+    with set_current_vllm_config(VllmConfig()):
+        served = get_rope(head_dim, 64, rope_parameters=layer["rope_parameters"], dtype=torch.float32)
+
+    positions = torch.arange(64)
+    cos, sin = trained(torch.zeros(1, 64, head_dim), positions[None])  # [1, T, rotary dim]: the halves repeated
+    half = cos.shape[-1] // 2
+    served_cos, served_sin = served.cos_sin_cache[:64].float().chunk(2, dim=-1)
+    assert served_cos.shape[-1] == half, (served_cos.shape, cos.shape)  # the same dimensions rotated
+    assert torch.allclose(served_cos, cos[0, :, :half].float(), atol=1e-5)
+    assert torch.allclose(served_sin, sin[0, :, :half].float(), atol=1e-5)

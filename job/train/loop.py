@@ -11,6 +11,23 @@ from job.train.checkpoint import read_checkpoint, report
 
 
 def train_loop_per_worker(cfg: dict) -> None:
+    """Ray Train's entry point on each worker: the loop below, with an error Ray can carry back. An exception Ray
+    cannot pickle (torch.compile's errors hold weakrefs) otherwise reaches the driver only as "cannot pickle
+    'weakref.ReferenceType' object", the real error buried in the worker's log."""
+    try:
+        _train_loop(cfg)
+    except Exception as error:
+        import pickle
+        import traceback
+
+        try:
+            pickle.dumps(error)
+        except Exception:
+            raise RuntimeError("".join(traceback.format_exception(error)).rstrip()) from None
+        raise
+
+
+def _train_loop(cfg: dict) -> None:
     import ray.train  # heavy: imported on use
     import torch  # heavy: imported on use
 

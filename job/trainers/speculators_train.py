@@ -87,14 +87,16 @@ def resolve_args(export_dir: str | None, manifest: dict, config: dict, workdir: 
         # One process: no spawned DataLoader workers.
         num_workers=0,
     )
+    # The 'eager' loss (the same sums in plain torch ops) unless the config names one, on every device: the default
+    # 'fused' loss is a Triton kernel that fails on CPU ("0 active drivers ([]). There should only be one.") and, on
+    # CUDA, inside the draft's torch.compile'd forward with torch 2.11 (dynamo: "ListVariable(length=21) is already
+    # tracked for mutation", the kernel's autotune configs; seen on an H100 with speculators 0.9.0).
+    flat.setdefault("loss_implementation", "eager")
     if cpu:
         flat.update(
             # CPU: "FlexAttention does not support backward on CPU" with the default
             # 'simple_flex_attention'.
             draft_attn_impl="sdpa",
-            # CPU: the default 'fused' loss is a Triton GPU kernel; on CPU Triton fails with
-            # "0 active drivers ([]). There should only be one."
-            loss_implementation="eager",
             # CPU: the trainer's autocast is hard-wired to CUDA (device_type falls back to "cuda" when
             # there is no accelerator) and is disabled on CPU, so bf16 hidden states meet the fp32
             # master weights: DFlash's fc fails with "expected m1 and m2 to have the same dtype, but
@@ -344,6 +346,42 @@ def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, ste
     return args, model, [dict(m, grad_norm=n) for m, n in zip(logged, norms)], round(steps / len(loader), 2)
 
 
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def served_rope(config: dict, model) -> list[str]:
+    """Make a saved draft's layer config (in place) name the rotary embedding the draft was trained with; returns what
+    it changed. A draft's layer config starts from the target's text config, and Qwen3.5/3.6 name two things there:
+    - M-RoPE sections (`rope_parameters.mrope_section`, for vision inputs): vLLM refuses a DFlash draft that has them
+      ("Speculative Decoding with draft models or parallel drafting does not support M-RoPE yet"; vLLM 0.26 on an
+      H100, 0.32 has the same check), so a DFlash draft of Qwen3.6 would not load. On text they change nothing
+      (every M-RoPE row is the token's position), and the draft trained with a 1-D rotary.
+    - `partial_rotary_factor` 0.25: transformers' default rotary, which the draft's layers build, rotates the whole
+      head whatever the factor, while vLLM's `get_rope` rotates a quarter of it. speculators rewrites it to 1.0 (its
+      `mrope_full_head_hack`, on by default); the factor written here is the draft's own rotary module's (its inverse
+      frequencies × 2 / head dim), so a draft built any other way is served as it trained too."""
+    changed = []
+    layer = config.get("transformer_layer_config") or {}
+    params = layer.get("rope_parameters")
+    if not isinstance(params, dict):
+        return changed
+    if config.get("speculators_model_type") == "dflash":  # EAGLE-3 drafts are served with them (same on text)
+        for name in MROPE_KEYS:
+            if params.pop(name, None) is not None:
+                changed.append(f"rope_parameters.{name} removed")
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
+        head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
+        trained = 2 * int(rotary.inv_freq.shape[-1]) / head_dim
+        if params.get("partial_rotary_factor", 1.0) != trained:
+            changed.append(f"rope_parameters.partial_rotary_factor {params.get('partial_rotary_factor', 1.0)} → "
+                           f"{trained} (what the draft rotates)")
+            params["partial_rotary_factor"] = trained
+        if "partial_rotary_factor" in layer:  # older configs keep it beside rope_parameters; vLLM moves it in
+            layer["partial_rotary_factor"] = trained
+    return changed
+
+
 def save_draft(model, args, path: str, speculative_tokens: int | None = None) -> str:
     """Save a trained draft as the trainer's own checkpointer does at an epoch's end (Checkpointer.save_checkpoint:
     the state dict in bf16, `save_pretrained`, `patch_config_dtype`), a directory vLLM serves as it is
@@ -368,6 +406,7 @@ def save_draft(model, args, path: str, speculative_tokens: int | None = None) ->
     if speculative_tokens is not None:
         for method in spec["proposal_methods"]:
             method["speculative_tokens"] = speculative_tokens
+    served_rope(config, model)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return path
