@@ -3,6 +3,7 @@
 alone for its decode tokens/s: one engine per process (vLLM's metrics are process-wide). bench/gpu_train.sh runs it.
 
     python bench/gpu_serve_drafts.py --run RUN --heldout HELDOUT_RUN --config C.yaml --out DIR [--k 3] [--limit 64]
+                                     [--drafts DRAFT_DIR ...]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--limit", type=int, default=64)
+    p.add_argument("--drafts", nargs="+", help="draft directories to serve (default: the run's drafts/*/draft)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -59,8 +61,8 @@ def main() -> int:
     prompts = os.path.join(args.out, "heldout_prompts.json")
     with open(prompts, "w") as f:
         json.dump(held_out_prompts(args.heldout, args.limit), f)
-    drafts = [""] + [os.path.join(args.run, "drafts", fmt, "draft") for fmt in ("eagle3", "dflash")
-                     if os.path.isdir(os.path.join(args.run, "drafts", fmt, "draft"))]
+    drafts = [""] + (args.drafts or [os.path.join(args.run, "drafts", fmt, "draft") for fmt in ("eagle3", "dflash")
+                                     if os.path.isdir(os.path.join(args.run, "drafts", fmt, "draft"))])
     for draft in drafts:
         subprocess.run([sys.executable, __file__, "--one", "--model", model, "--draft", draft, "--prompts", prompts,
                         "--config", args.config, "--k", str(args.k), "--max-tokens", str(args.max_tokens)])

@@ -102,7 +102,8 @@ def serve_one(model: str, draft: str | None, k: int, prompts: list[dict], sample
         if name in result and "error" not in result[name]:
             entry = result[name]
             entry.update(entry.pop("buckets")["all"])
-            if name == "greedy":  # lossless: the served greedy output should be the target's own greedy output
+            if name == "greedy" and all(p.get("output_token_ids") is not None for p in prompts):
+                # lossless: the served greedy output should be the target's own greedy output
                 entry["same_as_greedy_run"] = sum(t == p.get("output_token_ids")
                                                   for t, p in zip(entry["greedy_outputs"], prompts))
     return result
