@@ -83,11 +83,16 @@ def test_a_changed_rewrite_is_seen(small_hybrid):
 
 
 def test_other_models_are_not_fused(tiny_model_dir):
-    from job.hidden_states.transformers_backend import load_model
+    from job.hidden_states.transformers_backend import describe_kernel_path, load_model
 
     dense = load_model(tiny_model_dir, dtype="bfloat16")  # Qwen3: its RMSNorm multiplies by w, not (1 + w)
     assert "Qwen3DecoderLayer, not Qwen3_5DecoderLayer" in fusion.fusion_problem(dense.model)
-    assert TransformersExtractor(dense, layer_ids=[0], fuse="auto").fuse == "off"
+    chosen = TransformersExtractor(dense, layer_ids=[0], attention="auto", gdn="auto", fuse="auto")
+    assert chosen.fuse == "off"
+    # The worker's kernel-path line names the modes chosen, never the 'auto' it was given.
+    assert chosen.kernel_path == "attention padded (SDPA over right-padded rows); elementwise ops eager (fuse off)"
+    with pytest.raises(ValueError, match="attention, fuse still 'auto'"):
+        describe_kernel_path(cuda=True, attention="auto", gdn="varlen", fuse="auto", hybrid=True, fla=True)
     with pytest.raises(ValueError, match="fuse 'compile' is not available for this model: decoder layer 0"):
         TransformersExtractor(dense, layer_ids=[0], fuse="compile")
     with pytest.raises(ValueError, match="hidden_states.fuse must be auto, off, compile, fla or reference, got 'fast'"):

@@ -82,7 +82,11 @@ def load_model(path: str, *, dtype: str = "bfloat16", device: str | None = None)
 def describe_kernel_path(*, cuda: bool, attention: str, gdn: str, fuse: str, hybrid: bool, fla: bool) -> str:
     """Which kernels a worker's forwards run, in one line (after `auto` is resolved). On a CUDA GPU a hybrid target
     without flash-linear-attention runs Gated DeltaNet on transformers' torch reference, >10x slower (the line says
-    so, beside slow_path_warnings' WARNING)."""
+    so, beside slow_path_warnings' WARNING). Given an unresolved 'auto' it refuses: the line exists to name the path
+    a worker runs, and 'auto' names none (an H100's worker once said "padded" while it packed)."""
+    unresolved = [name for name, value in (("attention", attention), ("gdn", gdn), ("fuse", fuse)) if value == "auto"]
+    if unresolved:
+        raise ValueError(f"describe_kernel_path: {', '.join(unresolved)} still 'auto': pass the modes chosen")
     parts = ["attention packed (varlen flash attention)" if attention == "packed" else
              "attention padded (SDPA over right-padded rows)"]
     if hybrid:
@@ -172,7 +176,7 @@ class TransformersExtractor:
         for warning in self.warnings:
             warnings.warn(warning, stacklevel=2)
         hybrid = "linear_attention" in (getattr(self.stack.config, "layer_types", None) or [])
-        self.kernel_path = describe_kernel_path(cuda=self.cuda, attention=attention, gdn=gdn, fuse=fuse,
+        self.kernel_path = describe_kernel_path(cuda=self.cuda, attention=self.attention, gdn=self.gdn, fuse=self.fuse,
                                                 hybrid=hybrid, fla=importlib.util.find_spec("fla") is not None)
         # Into the job's log (Ray forwards a worker's stdout): a slow stage 2 names the path it runs.
         print(f"stage 2 worker on {self.device}: {self.kernel_path}", flush=True)
