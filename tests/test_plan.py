@@ -186,8 +186,9 @@ def test_plan_config_accepts_the_production_config(capsys):
     assert "config.json is not on this machine" in out and "--model DIR" in out
     assert "layers [1, 16, 31, 46, 60, 61, 63] × hidden 5,120 in bfloat16 = 71,685 B per token" in out
     assert "8 GPUs × 2,000 tok/s per GPU" in out and "hidden states 163.8 TB" in out
-    # Its shard sizes (128 rows, 8 rows of hidden states) count the S3 requests: 7,141 + 114,250.
-    assert "~121.4K shard writes = $0.61" in out
+    # Its shard sizes (128 rows, 8 rows of hidden states) count the objects: 7,141 shards, 114,250 parts, 7,141
+    # markers; each up to 3 PUT-class requests ($0.005 per 1,000) and a HEAD ($0.0004): 514,128 requests, $1.98.
+    assert "7,141 completion shards, 114.2K stage-2 parts and their markers takes up to ~514.1K requests, $1.98" in out
 
 
 def test_plan_config_reads_the_models_shape_layers_and_engines(tmp_path, capsys):

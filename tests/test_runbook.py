@@ -173,3 +173,9 @@ def test_the_figures_the_docs_repeat_are_the_plans():
     assert f"hidden states ~{bf16_tb:.0f} TB ≈ ${round(month, -2):,.0f}/month" in row
     assert f"FP8: ~{fp8_tb:.0f} TB ≈ ${round(ways['stored_fp8']['storage_usd'], -2):,.0f}" in row
     assert f"completions ~{on8['completion_bytes'] / 1e9:.0f} GB" in row
+    # The S3 requests of writing the run: the object counts and the bill, as plan counts them.
+    writes = " ".join(OPERATIONS[OPERATIONS.index("**S3 requests of the bookkeeping**"):
+                                 OPERATIONS.index("Plan before renting anything")].split())
+    assert f"{on8['completion_shards']:,} completion shards" in writes
+    assert f"{on8['stage2_parts'] / 1e3:.1f}K stage-2 parts" in writes
+    assert f"up to ~{on8['write_requests'] / 1e3:.1f}K requests, ${on8['write_requests_usd']:.2f}" in writes

@@ -49,7 +49,11 @@ from job.formatting import format_bytes
 # S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
 DEFAULT_USD_PER_GB_MONTH = 0.023
 # S3 Standard PUT/COPY/POST/LIST requests, us-east-1: $0.005 per 1,000 (for the requests line).
-USD_PER_1000_PUTS = 0.005
+USD_PER_1000_PUTS = 0.005  # S3 Standard, us-east-1 / us-west-2: PUT, POST, LIST
+USD_PER_1000_GETS = 0.0004  # GET, HEAD
+# Requests to write one object, at most: a multipart upload (create, one part, complete: 3 PUT-class) and the HEAD
+# that checks it (storage.write_*; counted by bench/s3_counting_server.py). A small object goes as one PutObject.
+PUT_CLASS_PER_OBJECT, HEADS_PER_OBJECT = 3, 1
 # What an export moves per node per second when nobody measured it (--export-gb-per-s-per-node): 1 GB/s, a node's S3
 # bandwidth at best. Measured here (bench/bench_export.py, docs/BENCHMARKS.md): 0.25 GB/s on a 2-core machine's disk.
 DEFAULT_EXPORT_GB_PER_S_PER_NODE = 1.0
@@ -170,8 +174,10 @@ def estimate(p: PlanInputs) -> dict:
     hidden_bytes = (output_tokens + prompt_tokens) * p.hidden_bytes_per_token
     dflash_only = p.layout.dflash_only_bytes_per_token
     every_trainer = dflash_only is not None and p.hidden_bytes_per_token == p.layout.bytes_per_token
-    # One PUT per shard: completion shards, hidden-state shards (multipart uploads add one per part on top).
-    puts = -(-p.num_prompts // p.rows_per_shard) + -(-p.num_prompts // p.hidden_rows_per_shard)
+    # The objects a run writes: its completion shards, stage 2's parts, and one stage-2 marker per completion shard.
+    completion_shards = -(-p.num_prompts // p.rows_per_shard)
+    stage2_parts = -(-p.num_prompts // p.hidden_rows_per_shard)
+    objects = completion_shards + stage2_parts + completion_shards
     return {
         # What serving every trainer from one run costs over DFlash's layers alone (every trainer's layer set only).
         "every_trainer_extra_bytes": (output_tokens + prompt_tokens) * (p.hidden_bytes_per_token - dflash_only)
@@ -188,8 +194,12 @@ def estimate(p: PlanInputs) -> dict:
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_usd_per_month": hidden_bytes / 1e9 * p.usd_per_gb_month,
         "hidden_state_ways": hidden_state_ways(p, output_tokens + prompt_tokens),
-        "s3_puts": puts,
-        "s3_puts_usd": puts / 1000 * USD_PER_1000_PUTS,
+        "completion_shards": completion_shards,
+        "stage2_parts": stage2_parts,
+        "objects_written": objects,
+        "write_requests": objects * (PUT_CLASS_PER_OBJECT + HEADS_PER_OBJECT),
+        "write_requests_usd": objects * (PUT_CLASS_PER_OBJECT * USD_PER_1000_PUTS
+                                         + HEADS_PER_OBJECT * USD_PER_1000_GETS) / 1000,
         # An export reads the stored bytes and writes the trainer's layers of them again: twice the bytes move.
         "export_hours_per_node": 2 * hidden_bytes / (p.export_gb_per_s_per_node * 1e9) / 3600,
     }
@@ -311,8 +321,8 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
         f"--export-gb-per-s-per-node, bench/bench_export.py); on the engines' node, its {idle_units} idle, "
         f"{idle_cost}: take it down first and export on cheaper workers",
         f"         (not included: engine start-up, ~5-15 min per (re)start; the canary; an idle head node; S3 "
-        f"requests, ~{_count(e['s3_puts'])} shard writes = {_usd(e['s3_puts_usd'])} at "
-        f"${USD_PER_1000_PUTS} per 1,000 PUTs, more with multipart parts)",
+        f"requests: writing {_count(e['completion_shards'])} completion shards, {_count(e['stage2_parts'])} stage-2 "
+        f"parts and their markers takes up to ~{_count(e['write_requests'])} requests, {_usd(e['write_requests_usd'])})",
     ]
     return "\n".join(lines)
 
