@@ -179,3 +179,16 @@ def test_the_figures_the_docs_repeat_are_the_plans():
     assert f"{on8['completion_shards']:,} completion shards" in writes
     assert f"{on8['stage2_parts'] / 1e3:.1f}K stage-2 parts" in writes
     assert f"up to ~{on8['write_requests'] / 1e3:.1f}K requests, ${on8['write_requests_usd']:.2f}" in writes
+
+
+def test_the_figures_the_makefile_and_readme_repeat_agree():
+    """The install's size (README, Makefile) and the acceptance benchmark's times (Makefile, BENCHMARKS) are stated
+    in two places each: the same figure in both."""
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    benchmarks = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    size = re.search(r"~(\d+) GB \([\d.]+ GB measured\)", makefile).group(1)
+    assert f"`.venv/`, ~{size} GB" in README
+    for minutes in re.findall(r"(\d+\.\d) min (?:measured in a fresh clone|here \(docs/BENCHMARKS)", makefile):
+        assert f"{minutes} min" in benchmarks, minutes
