@@ -164,7 +164,7 @@ def test_the_figures_the_docs_repeat_are_the_plans():
     bf16_tb, fp8_tb = ways["stored_bf16"]["bytes"] / 1e12, ways["stored_fp8"]["bytes"] / 1e12
     cluster = README[README.index("## Running on a cluster"):README.index("## The target is a hybrid model")]
     assert f"≈{on8['hours']:.0f} h, ≈${round(on8['cost_usd'], -1):,.0f} on 8 GPUs" in cluster
-    assert f"stored in bf16 (~{bf16_tb:.0f} TB)" in cluster
+    assert f"stored in bf16 (~{bf16_tb:.0f} TB for the completions' tokens;" in cluster
     row = next(line for line in OPERATIONS.splitlines() if line.startswith("| full run, 914K prompts"))
     assert f"~{on8['hours']:.0f} h on 8 GPUs ({on7['hours']:.0f} h on 7)" in row
     assert f"~${round(on8['cost_usd'], -1):,.0f}" in row
