@@ -17,6 +17,15 @@ costs). The last token of a completion is never fed during generation (sampled, 
 not captured at all: a capture must add one step or leave it out (no trainer uses it: it predicts nothing).
 
     .venv/bin/python bench/bench_decode_capture.py --run dense=demo-run --run hybrid=gpu-train-run [--samples 8]
+
+What the difference costs a drafter: `--decode-run RUN COPY` copies a finished run (stage 2 done) to COPY with every
+stored stage-2 row replaced by the row generation computes (the prompt's rows from a prefill of the prompt, each
+completion token's from the decode step that feeds it; the run's own layers, dtype and convention), so that the same
+`python -m job worth` trains and serves a draft on each:
+
+    .venv/bin/python bench/bench_decode_capture.py --decode-run demo-run /tmp/capture-decode
+    .venv/bin/python bench/bench_decode_capture.py --copy-run demo-run /tmp/capture-prefill
+    .venv/bin/python -m job worth /tmp/capture-prefill; .venv/bin/python -m job worth /tmp/capture-decode
 """
 
 from __future__ import annotations
@@ -73,6 +82,80 @@ def decode_states(model, prompt: list[int], completion: list[int]):
             cache = out.past_key_values
             rows.append(torch.stack([h[0, -1].float() for h in out.hidden_states[1:]]))
     return torch.stack(rows, dim=1)
+
+
+def decode_rows(model, ids: list[int], prompt_len: int, layer_ids: list[int]):
+    """Rows [T, len(layer_ids), H] in the model's dtype as generation computes them: 0..prompt_len-1 from one
+    prefill of the prompt, each later one from the decode step that feeds its token (its KV cache/recurrent state
+    carried). Layer k is decoder layer k's output (stage 2's convention with `last_layer_norm: before_norm`)."""
+    import torch
+
+    got: dict[int, list] = {k: [] for k in layer_ids}
+    hooks = [model.model.layers[k].register_forward_hook(
+        lambda module, args, output, k=k: got[k].append((output[0] if isinstance(output, tuple) else output)[0]))
+        for k in layer_ids]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids[:prompt_len]]), use_cache=True)
+            cache = out.past_key_values
+            for token in ids[prompt_len:]:
+                cache = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).past_key_values
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([torch.cat(got[k], dim=0) for k in layer_ids], dim=1)
+
+
+def copy_run(run: str, copy: str) -> None:
+    """The run's directory without its drafts and `worth` results (a fresh start for `python -m job worth`)."""
+    import shutil
+
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run, copy, ignore=lambda d, names: [n for n in names if n == "drafts" or n.startswith("worth")])
+
+
+def decode_run(run: str, copy: str) -> dict:
+    """`copy_run`, then every stored stage-2 row replaced by `decode_rows` (bench docstring). Returns, as a check
+    that the rows land where stage 2 put them, the relative difference of the prompts' rows (a prefill both ways)
+    and of the completions' rows (decode against prefill) to the stored ones."""
+    import glob
+
+    import pyarrow as pa
+    import torch
+
+    from job.hidden_states.transformers_backend import load_model
+
+    copy_run(run, copy)
+    parts = sorted(glob.glob(os.path.join(copy, "hidden_states", "*.arrow")))
+    meta = pa.ipc.open_file(parts[0]).schema.metadata
+    layer_ids, dtype = json.loads(meta[b"layer_ids"]), meta[b"dtype"].decode()
+    if meta[b"last_layer_norm"] != b"before_norm":
+        raise SystemExit(f"{run}: parts store the last layer after the final norm; this copy keeps before_norm only")
+    model = load_model(model_of_run(run), dtype=dtype, device="cpu")
+    H = int(meta[b"hidden_size"])
+    diffs = {"prompt": [], "completion": []}
+    t0, tokens = time.perf_counter(), 0
+    for path in parts:
+        table = pa.ipc.open_file(path).read_all()
+        column = []
+        for ids, mask, stored in zip(table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(),
+                                     table["hidden_states"].to_pylist()):
+            old = torch.frombuffer(bytearray(b"".join(stored)), dtype=getattr(torch, dtype)).view(len(ids), -1, H)
+            prompt_len = mask.index(1) if 1 in mask else len(ids)
+            rows = decode_rows(model, ids, prompt_len, layer_ids).to(old.dtype)
+            for name, sl in (("prompt", slice(0, prompt_len)), ("completion", slice(prompt_len, len(ids)))):
+                if rows[sl].numel():
+                    diffs[name].append(relative(rows[sl].float(), old[sl].float()).flatten())
+            raw = rows.contiguous().view(torch.uint8).numpy().reshape(len(ids), -1)
+            column.append([r.tobytes() for r in raw])
+            tokens += len(ids)
+        index = table.schema.get_field_index("hidden_states")
+        table = table.set_column(index, table.schema.field(index), pa.array(column, type=table.schema.field(index).type))
+        with pa.ipc.new_file(path, table.schema) as writer:
+            writer.write_table(table)
+    check = {name: float(f"{float(torch.cat(d).mean()):.3e}") for name, d in diffs.items() if d}
+    return {"parts": len(parts), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1),
+            "relative_to_stored_mean": check}
 
 
 def relative(a, b):
@@ -141,7 +224,11 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR",
+    parser.add_argument("--decode-run", nargs=2, metavar=("RUN", "COPY"),
+                        help="copy RUN to COPY with its stage-2 rows as generation computes them, then stop")
+    parser.add_argument("--copy-run", nargs=2, metavar=("RUN", "COPY"),
+                        help="copy RUN to COPY as it is (the prefill side of the comparison), then stop")
+    parser.add_argument("--run", action="append", metavar="NAME=RUN_DIR",
                         help="a finished stage-1 run (its completions and its run.json's model), e.g. dense=demo-run")
     parser.add_argument("--samples", type=int, default=8, help="completions per run (default 8)")
     parser.add_argument("--json", help="write the figures here")
@@ -150,6 +237,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.copy_run:
+        copy_run(*args.copy_run)
+        return
+    if args.decode_run:
+        print(json.dumps(decode_run(*args.decode_run)))
+        return
+    if not args.run:
+        parser.error("--run NAME=RUN_DIR (or --decode-run / --copy-run)")
     results = {}
     for spec in args.run:
         name, run = spec.split("=", 1)

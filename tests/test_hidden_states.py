@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import ensure_local_ray
 
-from job import layout, schema, storage
+from job import layout, runs, schema, storage
 from job.config import ConfigError, HiddenStatesConfig, RunConfig
 from job.hidden_states import collate, dataset, estimate_storage, load, run_hidden_states
 from job.hidden_states.checks import HiddenStateCheckError, check_features
@@ -585,3 +585,35 @@ def test_vllm_backend_prefetch_keeps_order_raises_in_place_and_drops_what_nobody
     it.close()
     assert made == [0, 1, 2, 3]
     assert sorted(dropped) == made[1:]
+
+
+def test_stage2_refuses_another_model_than_stage1_generated_with(tmp_path, capsys):
+    """The model is compared by its files (config, tokenizer, weights' index), not its path: the same files under
+    another path pass with a note; other files are refused, naming both, unless --allow-drift."""
+    from job.hidden_states.run import HiddenStatesStage
+    from job.run_record import RunRecord
+
+    def model(name: str, config: dict) -> str:
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    generated = model("hybrid", {"model_type": "qwen3_5"})
+    record = RunRecord.from_dict({"config": {"model": "/mnt/models/hybrid"}, "generate": {
+        "status": "complete", "identity": {"model": "/mnt/models/hybrid",
+                                           "model_files": runs.model_files_digest(generated)}}})
+
+    def stage(model_dir: str, allow_drift: bool = False) -> HiddenStatesStage:
+        s = HiddenStatesStage(RunConfig(model=model_dir, output=str(tmp_path / "run")))
+        s.allow_drift = allow_drift
+        return s
+
+    stage(generated).check_model(record)  # the same files under another path
+    assert "stage 1 ran with model '/mnt/models/hybrid'" in capsys.readouterr().out
+    other = model("dense", {"model_type": "qwen3"})
+    with pytest.raises(ConfigError, match="generated these completions with '/mnt/models/hybrid'.*another model.*"
+                                          "--allow-drift"):
+        stage(other).check_model(record)
+    stage(other, allow_drift=True).check_model(record)
+    assert "another model (--allow-drift)" in capsys.readouterr().out
+    stage(other).check_model(None)  # no stage-1 record (completions from elsewhere): nothing to compare

@@ -255,3 +255,25 @@ def test_the_served_draft_rotates_as_the_trained_one(fmt, tiny_hybrid_dir, tmp_p
     assert served_cos.shape[-1] == half, (served_cos.shape, cos.shape)  # the same dimensions rotated
     assert torch.allclose(served_cos, cos[0, :, :half].float(), atol=1e-5)
     assert torch.allclose(served_sin, sin[0, :, :half].float(), atol=1e-5)
+
+
+def test_train_refuses_hidden_states_another_model_computed(tmp_path):
+    """A draft trains for the model whose features it reads: stage 2's recorded model files against the target's,
+    whatever the paths; refused with both named when they differ."""
+    from job import runs
+    from job.config import ConfigError, RunConfig
+    from job.run_record import RunRecord
+    from job.train.run import TrainStage
+
+    def model(name: str, config: dict) -> str:
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    hybrid, dense = model("hybrid", {"model_type": "qwen3_5"}), model("dense", {"model_type": "qwen3"})
+    record = RunRecord.from_dict({"config": {"model": hybrid}, "hidden_states": {
+        "status": "complete", "identity": {"model": "/elsewhere/dense", "model_files": runs.model_files_digest(dense)}}})
+    stage = TrainStage(RunConfig(model=hybrid, output=str(tmp_path / "run")), TrainOptions(name="eagle3"))
+    with pytest.raises(ConfigError, match="extracted with '/elsewhere/dense'.*not the target"):
+        stage.check_target(record)
+    TrainStage(RunConfig(model=dense, output=str(tmp_path / "run")), TrainOptions(name="eagle3")).check_target(record)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from job import layout, scan, storage, target
+from job import layout, runs, scan, storage, target
 from job.config import ConfigError, RunConfig, resolve_layer_ids, to_dict
 from job.drafters import EVERY_TRAINER
 from job.drafters import describe as describe_layers
@@ -25,6 +25,7 @@ STAGE = "hidden_states"
 class HiddenStatesStage(Stage):
     key, directory, label, unit_noun = STAGE, layout.HIDDEN_STATES_DIR, "hidden-states", "completion shards"
     tokens_key, drift_consequence = "num_tokens_extracted", "mix features made two ways in one output"
+    allow_drift = False
 
     def identity(self, record) -> dict:
         self.started, self.record = time.monotonic(), record
@@ -34,10 +35,28 @@ class HiddenStatesStage(Stage):
             self.layer_ids = resolve_layer_ids(self.config.hidden_states.layer_ids, shape.num_layers)
         except ValueError as e:
             raise ConfigError(f"config: {e}") from None
-        if record is not None and record.setting("model") not in (None, self.config.model):
-            print(f"note: stage 1 ran with model {record.setting('model')!r}; extracting with "
-                  f"{self.config.model!r}", flush=True)
+        self.check_model(record)
         return plan.identity(self.config, self.layer_ids, shape.num_layers)
+
+    def check_model(self, record) -> None:
+        """Stage 2 runs the model stage 1 generated with: the same files (`runs.model_files_digest`: config,
+        tokenizer, the weights' index), whatever path each names them by. Another model's hidden states under the
+        completions would train a draft on features no served target computes (a DFlash draft so made was accepted
+        at τ 1.00); refused unless --allow-drift says it is meant (say, an FP8 checkpoint generated, bf16 extracts)."""
+        generated = record.generate if record is not None else None
+        if generated is None:
+            return
+        was, now = generated.identity.get("model_files"), runs.model_files_digest(self.config.model)
+        path = generated.identity.get("model", record.setting("model"))
+        if was is not None and now is not None and was != now:
+            message = (f"stage 1 generated these completions with {path!r} (files {was}); this config extracts with "
+                       f"{self.config.model!r} (files {now}), another model")
+            if not self.allow_drift:
+                raise ConfigError(f"hidden-states: {message}. Point `model` (or --model) at the model stage 1 ran, "
+                                  "or pass --allow-drift to extract with this one on purpose.")
+            print(f"note: {message} (--allow-drift)", flush=True)
+        elif path not in (None, self.config.model):
+            print(f"note: stage 1 ran with model {path!r}; extracting with {self.config.model!r}", flush=True)
 
     def plan(self, fence, changed) -> list[HiddenStateUnit]:
         c, orphans, seen = self.config, [], []
@@ -84,7 +103,9 @@ class HiddenStatesStage(Stage):
 def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False) -> HiddenStatesSummary:
     """Extract the hidden states of every kept completion row into `<output>/hidden_states/*.arrow`. Returns a
     summary (rows, tokens, tokens/s, bytes written, parts, report path); the same goes to reports/hidden_states.json."""
-    return run_stage(HiddenStatesStage(config), allow_drift=allow_drift, take_lock=take_lock)
+    stage = HiddenStatesStage(config)
+    stage.allow_drift = allow_drift
+    return run_stage(stage, allow_drift=allow_drift, take_lock=take_lock)
 
 
 def stage1_unfinished(record) -> bool:

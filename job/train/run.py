@@ -10,7 +10,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from job import layout, run_record, storage, target
+from job import layout, run_record, runs, storage, target
 from job.config import ConfigError, RunConfig
 from job.errors import JobError
 from job.stage import Stage, StageSummary, run_stage
@@ -71,8 +71,22 @@ class TrainStage(Stage):
             raise ConfigError(f"train: {self.config.output} is not a run directory (no run.json): train on the "
                               "--output of a `generate` run")
         o = self.options
+        if not o.stream:
+            self.check_target(record)
         return {"format": o.format, "to": o.to, "layers": o.layers, "model": self.config.model,
                 "data": "stream" if o.stream else "stored", "holdout": o.holdout}
+
+    def check_target(self, record) -> None:
+        """The stored hidden states are the target's own: stage 2 ran the model this draft is trained for (its
+        files, `runs.model_files_digest`). A draft trained on another model's features is served beside a target
+        that never computes them (such a DFlash draft was accepted at τ 1.00)."""
+        extracted = record.hidden_states.identity.get("model_files") if record.hidden_states else None
+        target_files = runs.model_files_digest(self.config.model)
+        if extracted is not None and target_files is not None and extracted != target_files:
+            raise ConfigError(f"train: the run's hidden states were extracted with "
+                              f"{record.hidden_states.identity.get('model')!r} (files {extracted}), not the target "
+                              f"{self.config.model!r} (files {target_files}): train for the model stage 2 ran "
+                              "(--model), or rerun stage 2 with this one")
 
     def plan(self, fence, changed) -> list[Epoch]:
         self.previous = latest_checkpoint(self.storage_path, self.ray_name)
