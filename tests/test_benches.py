@@ -39,3 +39,28 @@ def test_control_plane_bench_builds_a_run_of_today_s_schema_and_times_its_steps(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| local | 20 |" in line]
     assert [r.split("|")[1].strip() for r in rows] == ["export selection", "stage-2 plan", "status"], done.stdout
+
+
+def test_every_bench_parses_its_arguments():
+    """Each bench/*.py with a command line answers `--help` (its parser builds: flags, defaults and choices are
+    valid), GPU-only scripts included; run as `main()` under `--help` in one process, so nothing is measured."""
+    scripts = sorted(p.stem for p in BENCH.glob("*.py") if "argparse" in p.read_text() and "def main(" in p.read_text())
+    assert len(scripts) >= 10, scripts
+    code = ("import contextlib, importlib, io, sys\n"
+            f"sys.path[:0] = [{str(BENCH)!r}, {str(REPO)!r}]\n"
+            "failed = []\n"
+            f"for name in {scripts!r}:\n"
+            "    sys.argv = [name + '.py', '--help']\n"
+            "    out = io.StringIO()\n"
+            "    try:\n"
+            "        with contextlib.redirect_stdout(out):\n"
+            "            importlib.import_module(name).main()\n"
+            "        failed.append(f'{name}: --help returned instead of exiting')\n"
+            "    except SystemExit as e:\n"
+            "        if e.code not in (0, None) or 'usage:' not in out.getvalue():\n"
+            "            failed.append(f'{name}: exit {e.code}: {out.getvalue()[-300:]}')\n"
+            "    except Exception as e:\n"
+            "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
+            "print('\\n'.join(failed)); sys.exit(1 if failed else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
