@@ -150,7 +150,8 @@ def decode_run(run: str, copy: str) -> dict:
             column.append([r.tobytes() for r in raw])
             tokens += len(ids)
         index = table.schema.get_field_index("hidden_states")
-        table = table.set_column(index, table.schema.field(index), pa.array(column, type=table.schema.field(index).type))
+        field = table.schema.field(index)
+        table = table.set_column(index, field, pa.array(column, type=field.type))
         with pa.ipc.new_file(path, table.schema) as writer:
             writer.write_table(table)
     check = {name: float(f"{float(torch.cat(d).mean()):.3e}") for name, d in diffs.items() if d}

@@ -272,7 +272,8 @@ def test_train_refuses_hidden_states_another_model_computed(tmp_path):
 
     hybrid, dense = model("hybrid", {"model_type": "qwen3_5"}), model("dense", {"model_type": "qwen3"})
     record = RunRecord.from_dict({"config": {"model": hybrid}, "hidden_states": {
-        "status": "complete", "identity": {"model": "/elsewhere/dense", "model_files": runs.model_files_digest(dense)}}})
+        "status": "complete",
+        "identity": {"model": "/elsewhere/dense", "model_files": runs.model_files_digest(dense)}}})
     stage = TrainStage(RunConfig(model=hybrid, output=str(tmp_path / "run")), TrainOptions(name="eagle3"))
     with pytest.raises(ConfigError, match="extracted with '/elsewhere/dense'.*not the target"):
         stage.check_target(record)

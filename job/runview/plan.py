@@ -322,7 +322,8 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
         f"{idle_cost}: take it down first and export on cheaper workers",
         f"         (not included: engine start-up, ~5-15 min per (re)start; the canary; an idle head node; S3 "
         f"requests: writing {_count(e['completion_shards'])} completion shards, {_count(e['stage2_parts'])} stage-2 "
-        f"parts and their markers takes up to ~{_count(e['write_requests'])} requests, {_usd(e['write_requests_usd'])})",
+        f"parts and their markers takes up to ~{_count(e['write_requests'])} requests, "
+        f"{_usd(e['write_requests_usd'])})",
     ]
     return "\n".join(lines)
 
