@@ -125,7 +125,8 @@ def identity(config: RunConfig, layer_ids: list[int], num_layers: int) -> dict:
     # the default became true recorded: such a run (DFlash's layers, say) resumes instead of being refused.
     last_stored = num_layers - 1 in layer_ids
     return {"model": config.model, "model_files": runs.model_files_digest(config.model), "layer_ids": layer_ids,
-            "dtype": hs.dtype, "max_length": hs.max_length, "keep_flagged": hs.keep_flagged, "rows_per_shard": hs.rows_per_shard, "backend": hs.backend,
+            "dtype": hs.dtype, "max_length": hs.max_length, "keep_flagged": hs.keep_flagged,
+            "rows_per_shard": hs.rows_per_shard, "backend": hs.backend,
             "last_layer_before_norm": hs.last_layer_before_norm and last_stored}
 
 
