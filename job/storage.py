@@ -461,7 +461,8 @@ def s3_get(uri: str, storage: StorageConfig | None, byte_range: str | None = Non
                                            **({"Range": byte_range} if byte_range else {}))
         body = r["Body"].read()
     except Exception as e:  # botocore's errors are not OSErrors: worded as one, so with_retries can judge them
-        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+        # A connection error carries `response = None` (botocore's ConnectionClosedError): no code, a transient OSError.
+        code = str(((getattr(e, "response", None) or {}).get("Error") or {}).get("Code", ""))
         if code in ("NoSuchKey", "404"):
             raise FileNotFoundError(uri) from None
         if code == "InvalidRange":  # a zero-byte object has no last bytes

@@ -46,6 +46,26 @@ def test_zero_retries_still_tries_once_and_counts_attempts():
     assert len(calls) == 3
 
 
+def test_a_connection_closed_by_the_server_is_retried_not_a_crash(monkeypatch):
+    """boto3's ConnectionClosedError (moto, or S3, closing a connection mid-request) has `response = None`: it must
+    become a transient OSError that `with_retries` retries, not an AttributeError out of the error's parsing (seen
+    once in CI, failing the session's shared run)."""
+    from botocore.exceptions import ConnectionClosedError
+
+    closed = {"n": 0}
+
+    class Client:
+        def get_object(self, **kwargs):
+            closed["n"] += 1
+            if closed["n"] == 1:
+                raise ConnectionClosedError(endpoint_url="http://127.0.0.1:1/b/k")
+            return {"Body": type("Body", (), {"read": lambda self: b"{}"})()}
+
+    monkeypatch.setattr(storage, "_s3_client", lambda storage_config: Client())
+    assert storage.read_json("s3://b/k", StorageConfig(num_retries=3, retry_base_s=0.001)) == {}
+    assert closed["n"] == 2
+
+
 def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket):
     """A 24 MB shard is a multipart upload; its second part fails every time (a fault injected by a proxy in front
     of the real moto server). Nothing may be committed under the shard's name: resume trusts names."""
