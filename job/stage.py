@@ -63,6 +63,8 @@ class Stage:
     tokens_key: str = "num_output_tokens"
     """The summary key that counts the stage's tokens, for the progress line's rate."""
     drift_consequence: str = "mix two datasets"
+    allow_drift: bool = False
+    """Set by `run_stage` before `identity`: --allow-drift, for a stage whose own checks it loosens."""
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -118,6 +120,7 @@ def run_stage(stage: Stage, *, allow_drift: bool = False, take_lock: bool = Fals
             ray_session.start()
             cluster.check_paths_reach_workers(config, stage.worker_paths())
         record = run_record.read(config.output, config.storage)
+        stage.allow_drift = allow_drift
         identity = stage.identity(record)
         changed = check_identity(record, stage.key, identity, allow_drift, stage.drift_consequence)
         with writing(config, stage.key, stage.directory, take_lock=take_lock) as fence:

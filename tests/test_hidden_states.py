@@ -603,17 +603,17 @@ def test_stage2_refuses_another_model_than_stage1_generated_with(tmp_path, capsy
         "status": "complete", "identity": {"model": "/mnt/models/hybrid",
                                            "model_files": runs.model_files_digest(generated)}}})
 
-    def stage(model_dir: str, allow_drift: bool = False) -> HiddenStatesStage:
+    def check(model_dir: str, record, allow_drift: bool = False) -> None:
         s = HiddenStatesStage(RunConfig(model=model_dir, output=str(tmp_path / "run")))
-        s.allow_drift = allow_drift
-        return s
+        s.allow_drift = allow_drift  # as run_stage sets it
+        s.check_model(record, runs.model_files_digest(model_dir))
 
-    stage(generated).check_model(record)  # the same files under another path
+    check(generated, record)  # the same files under another path
     assert "stage 1 ran with model '/mnt/models/hybrid'" in capsys.readouterr().out
     other = model("dense", {"model_type": "qwen3"})
     with pytest.raises(ConfigError, match="generated these completions with '/mnt/models/hybrid'.*another model.*"
                                           "--allow-drift"):
-        stage(other).check_model(record)
-    stage(other, allow_drift=True).check_model(record)
+        check(other, record)
+    check(other, record, allow_drift=True)
     assert "another model (--allow-drift)" in capsys.readouterr().out
-    stage(other).check_model(None)  # no stage-1 record (completions from elsewhere): nothing to compare
+    check(other, None)  # no stage-1 record (completions from elsewhere): nothing to compare

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from job import layout, runs, scan, storage, target
+from job import layout, scan, storage, target
 from job.config import ConfigError, RunConfig, resolve_layer_ids, to_dict
 from job.drafters import EVERY_TRAINER
 from job.drafters import describe as describe_layers
@@ -25,7 +25,6 @@ STAGE = "hidden_states"
 class HiddenStatesStage(Stage):
     key, directory, label, unit_noun = STAGE, layout.HIDDEN_STATES_DIR, "hidden-states", "completion shards"
     tokens_key, drift_consequence = "num_tokens_extracted", "mix features made two ways in one output"
-    allow_drift = False
 
     def identity(self, record) -> dict:
         self.started, self.record = time.monotonic(), record
@@ -35,10 +34,11 @@ class HiddenStatesStage(Stage):
             self.layer_ids = resolve_layer_ids(self.config.hidden_states.layer_ids, shape.num_layers)
         except ValueError as e:
             raise ConfigError(f"config: {e}") from None
-        self.check_model(record)
-        return plan.identity(self.config, self.layer_ids, shape.num_layers)
+        identity = plan.identity(self.config, self.layer_ids, shape.num_layers)
+        self.check_model(record, identity["model_files"])
+        return identity
 
-    def check_model(self, record) -> None:
+    def check_model(self, record, model_files: str | None) -> None:
         """Stage 2 runs the model stage 1 generated with: the same files (`runs.model_files_digest`: config,
         tokenizer, the weights' index), whatever path each names them by. Another model's hidden states under the
         completions would train a draft on features no served target computes (a DFlash draft so made was accepted
@@ -46,7 +46,7 @@ class HiddenStatesStage(Stage):
         generated = record.generate if record is not None else None
         if generated is None:
             return
-        was, now = generated.identity.get("model_files"), runs.model_files_digest(self.config.model)
+        was, now = generated.identity.get("model_files"), model_files
         path = generated.identity.get("model", record.setting("model"))
         if was is not None and now is not None and was != now:
             message = (f"stage 1 generated these completions with {path!r} (files {was}); this config extracts with "
@@ -103,9 +103,7 @@ class HiddenStatesStage(Stage):
 def run_hidden_states(config: RunConfig, *, allow_drift: bool = False, take_lock: bool = False) -> HiddenStatesSummary:
     """Extract the hidden states of every kept completion row into `<output>/hidden_states/*.arrow`. Returns a
     summary (rows, tokens, tokens/s, bytes written, parts, report path); the same goes to reports/hidden_states.json."""
-    stage = HiddenStatesStage(config)
-    stage.allow_drift = allow_drift
-    return run_stage(stage, allow_drift=allow_drift, take_lock=take_lock)
+    return run_stage(HiddenStatesStage(config), allow_drift=allow_drift, take_lock=take_lock)
 
 
 def stage1_unfinished(record) -> bool:

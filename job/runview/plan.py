@@ -48,9 +48,9 @@ from job.formatting import format_bytes
 
 # S3 Standard, first 50 TB/month, us-east-1 (check your region's price): only used for the monthly storage line.
 DEFAULT_USD_PER_GB_MONTH = 0.023
-# S3 Standard PUT/COPY/POST/LIST requests, us-east-1: $0.005 per 1,000 (for the requests line).
-USD_PER_1000_PUTS = 0.005  # S3 Standard, us-east-1 / us-west-2: PUT, POST, LIST
-USD_PER_1000_GETS = 0.0004  # GET, HEAD
+# S3 Standard requests, us-east-1 / us-west-2, per 1,000 (for the requests line): PUT, COPY, POST, LIST; GET, HEAD.
+USD_PER_1000_PUTS = 0.005
+USD_PER_1000_GETS = 0.0004
 # Requests to write one object, at most: a multipart upload (create, one part, complete: 3 PUT-class) and the HEAD
 # that checks it (storage.write_*; counted by bench/s3_counting_server.py). A small object goes as one PutObject.
 PUT_CLASS_PER_OBJECT, HEADS_PER_OBJECT = 3, 1

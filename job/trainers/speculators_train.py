@@ -349,9 +349,9 @@ def train_steps(export_dir: str, manifest: dict, config: dict, workdir: str, ste
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
-def served_rope(config: dict, model) -> list[str]:
-    """Make a saved draft's layer config (in place) name the rotary embedding the draft was trained with; returns what
-    it changed. A draft's layer config starts from the target's text config, and Qwen3.5/3.6 name two things there:
+def served_rope(config: dict, model) -> None:
+    """Make a saved draft's layer config (in place) name the rotary embedding the draft was trained with. A draft's
+    layer config starts from the target's text config, and Qwen3.5/3.6 name two things there:
     - M-RoPE sections (`rope_parameters.mrope_section`, for vision inputs): vLLM refuses a DFlash draft that has them
       ("Speculative Decoding with draft models or parallel drafting does not support M-RoPE yet"; vLLM 0.26 on an
       H100, 0.32 has the same check), so a DFlash draft of Qwen3.6 would not load. On text they change nothing
@@ -360,26 +360,21 @@ def served_rope(config: dict, model) -> list[str]:
       head whatever the factor, while vLLM's `get_rope` rotates a quarter of it. speculators rewrites it to 1.0 (its
       `mrope_full_head_hack`, on by default); the factor written here is the draft's own rotary module's (its inverse
       frequencies × 2 / head dim), so a draft built any other way is served as it trained too."""
-    changed = []
     layer = config.get("transformer_layer_config") or {}
     params = layer.get("rope_parameters")
     if not isinstance(params, dict):
-        return changed
+        return
     if config.get("speculators_model_type") == "dflash":  # EAGLE-3 drafts are served with them (same on text)
         for name in MROPE_KEYS:
-            if params.pop(name, None) is not None:
-                changed.append(f"rope_parameters.{name} removed")
+            params.pop(name, None)
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
         head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
-        trained = 2 * int(rotary.inv_freq.shape[-1]) / head_dim
+        trained = 2 * int(rotary.inv_freq.shape[-1]) / head_dim  # the share of each head the draft rotates
         if params.get("partial_rotary_factor", 1.0) != trained:
-            changed.append(f"rope_parameters.partial_rotary_factor {params.get('partial_rotary_factor', 1.0)} → "
-                           f"{trained} (what the draft rotates)")
             params["partial_rotary_factor"] = trained
         if "partial_rotary_factor" in layer:  # older configs keep it beside rope_parameters; vLLM moves it in
             layer["partial_rotary_factor"] = trained
-    return changed
 
 
 def save_draft(model, args, path: str, speculative_tokens: int | None = None) -> str:
