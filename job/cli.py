@@ -168,6 +168,8 @@ def _add_worth(sub, run_dir: list) -> None:
     w.add_argument("--rows", type=int, default=32, help="held-out prompts served (default %(default)s)")
     w.add_argument("--k", type=int, help="draft length served (default: the draft's own, 3 for EAGLE-3)")
     w.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default %(default)s)")
+    w.add_argument("--config", help="the run config (default: the run's own, from its run.json); its engine_kwargs "
+                                    "serve the target")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:
@@ -321,7 +323,7 @@ def _worth(args) -> int:
     train = _train_options(args, stream=False, name=args.name or f"worth-{args.format}")
     options = WorthOptions(format=args.format, holdout=args.holdout, rows=args.rows, k=args.k,
                            max_tokens=args.max_tokens, train=train)
-    config = run_config_of(args.run, _storage(args), None, model=args.model)
+    config = run_config_of(args.run, _storage(args), args.config, model=args.model)
     run_worth(config, options, take_lock=args.take_lock)
     return 0
 

@@ -166,17 +166,15 @@ def hybrid_text_model(config: dict):
                                                 attn_implementation="sdpa"))
 
 
-def save_hybrid(out: Path, config: dict, text_tensors: dict, seed: int) -> None:
+def save_hybrid(out: Path, config: dict, text_tensors: dict, mtp_tensors: dict, seed: int) -> None:
     """Qwen3_5ForConditionalGeneration with the trained language model and a seeded random vision tower, saved
-    with save_pretrained (the real checkpoint layout: `model.language_model.*`, `model.visual.*`), plus an MTP
-    head under `mtp.*` as vLLM's qwen3_5_mtp loads it (`fc` over [embedding; hidden], one full-attention decoder
-    layer, three norms). The MTP head is random: `speculative_config: {method: mtp}` runs on it, accepts little,
-    and by rejection sampling leaves the output distribution unchanged."""
+    with save_pretrained (the real checkpoint layout: `model.language_model.*`, `model.visual.*`), plus the MTP
+    head (`mtp.*`, trained by job/builtin/mtp_head.py) as vLLM's qwen3_5_mtp loads it: `fc` over [embedding; hidden],
+    one full-attention decoder layer, three norms."""
     # heavy: keeps python -m job --help fast
     import torch  # heavy: imported on use
     from safetensors.torch import load_file, save_file  # heavy: imported on use
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig  # heavy: imported on use
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer  # heavy: imported on use
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # heavy: imported on use
 
     text = _transformers_text_kwargs(config["text_config"])
     torch.manual_seed(seed)
@@ -186,13 +184,6 @@ def save_hybrid(out: Path, config: dict, text_tensors: dict, seed: int) -> None:
     language_model.load_state_dict({k.removeprefix("model."): v for k, v in text_tensors.items()}, strict=True)
     model.to(torch.bfloat16).save_pretrained(str(out))
 
-    text_config = Qwen3_5TextConfig(**text)
-    full_attention = HYBRID_LAYER_TYPES.index("full_attention")
-    mtp = {f"layers.{i}.{k}": v for i in range(MTP_NUM_LAYERS)
-           for k, v in Qwen3_5DecoderLayer(text_config, full_attention).state_dict().items()}
-    mtp["fc.weight"] = torch.nn.Linear(2 * HIDDEN_SIZE, HIDDEN_SIZE, bias=False).weight.detach()
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):  # (1 + w) norms: zeros = identity
-        mtp[f"{norm}.weight"] = torch.zeros(HIDDEN_SIZE)
     tensors = load_file(str(out / "model.safetensors"))
-    tensors.update({f"mtp.{k}": v.to(torch.bfloat16).contiguous() for k, v in mtp.items()})
+    tensors.update(mtp_tensors)
     save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})

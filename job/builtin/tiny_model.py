@@ -3,7 +3,8 @@
 - `dense`:  Qwen3ForCausalLM (the demo's model);
 - `hybrid`: the target's own architecture, Qwen3.5/3.6 (`Qwen3_5ForConditionalGeneration`): 3 Gated DeltaNet
             layers (causal conv1d + gated delta rule) then 1 gated full-attention layer, a tiny vision tower, an MTP
-            head, saved with `save_pretrained` so its keys carry the real `model.language_model.` prefixes.
+            head trained on the frozen language model (~40 s more), saved with `save_pretrained` so its keys carry the
+            real `model.language_model.` prefixes.
 
 Nothing can be downloaded in CI or on an offline laptop, yet the tests, the demo and the benchmarks need a real
 model that real vLLM (CPU build) and real transformers load and that answers in the same shape as the target
@@ -22,7 +23,8 @@ package versions.
 This module is the recipe read top to bottom (corpus → synthetic chats → tokenizer → config → brief training →
 files); the steps live beside it in job/builtin/: corpus.py (the corpus and the synthetic chats), tokenizer.py
 (special tokens, BPE, the chat template), architectures.py (shapes, config.json, the torch models, saving the
-hybrid) and training.py (packed rows, weighted loss, the train loop). Nothing else in the package uses them.
+hybrid), training.py (packed rows, weighted loss, the train loop) and mtp_head.py (the hybrid's MTP head: `worth`'s
+baseline must be a real one). Nothing else in the package uses them.
 
 The directory is a normal Hugging Face model directory:
 
@@ -55,6 +57,7 @@ from pathlib import Path
 
 from job.builtin.architectures import (
     ARCHITECTURES,
+    HYBRID_LAYER_TYPES,
     MAX_POSITION_EMBEDDINGS,
     VOCAB_PAD_MULTIPLE,
     dense_model,
@@ -64,6 +67,7 @@ from job.builtin.architectures import (
     save_hybrid,
 )
 from job.builtin.corpus import CORPUS_PATH, load_corpus
+from job.builtin.mtp_head import MTP_NUM_CHATS, MTP_TRAIN_STEPS, train_mtp_head
 from job.builtin.tokenizer import (
     CHAT_TEMPLATE_PATH,
     ENDOFTEXT,
@@ -128,7 +132,8 @@ def build_tiny_model(output_dir: str, *, architecture: str = "dense", train_step
             f"vocab {tokenizer.get_vocab_size()}")
         tensors = train(make_model, vocab_size, tokenizer, examples, ids[ENDOFTEXT], train_steps, seed, log)
         if hybrid:
-            save_hybrid(out, config, tensors, seed)
+            save_hybrid(out, config, tensors, _trained_mtp_head(config, tensors, tokenizer, chat_template, seed, log),
+                        seed)
 
     if not hybrid:  # fixed metadata: safetensors writes no timestamps, and tensors are sorted by name above
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -154,6 +159,19 @@ def build_tiny_model(output_dir: str, *, architecture: str = "dense", train_step
     return output_dir
 
 
+def _trained_mtp_head(config: dict, tensors: dict, tokenizer, chat_template: str, seed: int, log) -> dict:
+    """The hybrid's MTP head trained on the trained language model (frozen), on chats it has not seen."""
+    model = hybrid_text_model(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)  # tied to the embeddings
+    chats, corpus = [], load_corpus()
+    rng = random.Random(seed + 1)  # not the language model's own chats
+    while len(chats) < MTP_NUM_CHATS:
+        chats += training_examples(tokenizer, chat_template, corpus, ROW_TOKENS, rng)
+    return train_mtp_head(model, model.config, HYBRID_LAYER_TYPES.index("full_attention"), chats[:MTP_NUM_CHATS],
+                          tokenizer.token_to_id(ENDOFTEXT), seed, log)
+
+
 def default_train_steps(architecture: str) -> int:
     return DEFAULT_HYBRID_TRAIN_STEPS if architecture == "hybrid" else DEFAULT_TRAIN_STEPS
 
@@ -162,6 +180,7 @@ def _build_info(architecture: str, train_steps: int, seed: int) -> dict:
     info = {"recipe_version": RECIPE_VERSION, "train_steps": train_steps, "seed": seed}
     if architecture != "dense":  # the dense model's build_info.json stays as it was (no needless rebuilds)
         info["architecture"] = architecture
+        info["mtp_train_steps"] = MTP_TRAIN_STEPS
     return info
 
 
