@@ -192,6 +192,8 @@ def test_a_layout_ray_cannot_schedule_is_refused_with_the_reason():
             (2, 2, TrainOptions(num_workers=2, cpus_per_worker=1), hs, "less than the 0.25 CPU")]:
         with pytest.raises(ConfigError, match=words):
             plan_layout(gpus, cpus, options, h)
+    with pytest.raises(ConfigError, match="--steps must be at least 1"):
+        TrainOptions(max_steps=0)
 
 
 @pytest.mark.parametrize("target", ["dense", pytest.param("hybrid", marks=pytest.mark.slow)])  # hybrid: its build

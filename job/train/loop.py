@@ -54,6 +54,7 @@ def _train_loop(cfg: dict) -> None:
         inherited = set() if state["epoch_done"] else previous["consumed"]
         state["epoch"] += state["epoch_done"]
     shard = ray.train.get_dataset_shard("train")
+    stopped = lambda state: bool(cfg.get("max_steps")) and state["global_step"] >= cfg["max_steps"]  # noqa: E731
     while state["epoch"] < cfg["epochs"]:
         skip = inherited
         mine = sorted(inherited) if rank == 0 else []  # rank 0 carries the checkpoint's ids forward
@@ -63,6 +64,8 @@ def _train_loop(cfg: dict) -> None:
         carry = []
         state["epoch_done"] = False
         while True:
+            if stopped(state):
+                break  # --steps: the samples trained so far are the ones recorded as trained, none later
             pack = step.pack(rows, carry)
             metrics = step.step([s for _, s in pack])
             if metrics is None:
@@ -76,6 +79,8 @@ def _train_loop(cfg: dict) -> None:
             if state["global_step"] % cfg["checkpoint_every"] == 0:
                 report(metrics, step, rank, state, mine)
         state["epoch_done"] = True
+        if stopped(state):
+            state["epoch"] = cfg["epochs"] - 1  # the last epoch, done: a rerun trains nothing more
         if rank == 0 and cfg.get("served") is not None:  # the draft as vLLM serves it, the weights of this epoch
             with tempfile.TemporaryDirectory() as d:
                 step.save_served(os.path.join(d, "draft"), cfg["served"]["speculative_tokens"])

@@ -38,6 +38,9 @@ class TrainOptions:
     max_failures: int = 1
     """Worker-group restarts Ray Train allows (-1: forever)."""
     epochs: int = 1
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in all (None: every epoch whole): a short draft, such as `worth`'s on a
+    large run. The samples the steps trained are recorded as trained; a rerun trains nothing more."""
     lr: float | None = None
     """speculators' default when None."""
     speculative_tokens: int | None = None
@@ -68,6 +71,8 @@ class TrainOptions:
         for name in ("num_workers", "checkpoint_every", "epochs", "object_store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train: {name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train: --steps must be at least 1, got {self.max_steps}")
         if self.holdout is not None and not 0 < self.holdout < 1:
             raise ConfigError(f"train: --holdout {self.holdout}: a fraction between 0 and 1")
         if self.holdout is not None and self.stream:

@@ -73,8 +73,11 @@ class TrainStage(Stage):
         o = self.options
         if not o.stream:
             self.check_target(record)
-        return {"format": o.format, "to": o.to, "layers": o.layers, "model": self.config.model,
-                "data": "stream" if o.stream else "stored", "holdout": o.holdout}
+        identity = {"format": o.format, "to": o.to, "layers": o.layers, "model": self.config.model,
+                    "data": "stream" if o.stream else "stored", "holdout": o.holdout}
+        if o.max_steps is not None:  # only when given: a draft trained before the option keeps its identity
+            identity["steps"] = o.max_steps
+        return identity
 
     def check_target(self, record) -> None:
         """The stored hidden states are the target's own: stage 2 ran the model this draft is trained for (its
@@ -235,7 +238,7 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
                                  skip_ids=skip, holdout=o.holdout)
     draft_config = draft_config_of(config, o, plan)
     loop_config = {"draft_config": draft_config, "format": o.format, "model": config.model, "epochs": o.epochs,
-                   "checkpoint_every": o.checkpoint_every,
+                   "max_steps": o.max_steps, "checkpoint_every": o.checkpoint_every,
                    "workdir": os.path.join(tempfile.gettempdir(), f"train-{o.name}"),
                    "overrides": {"lr": o.lr} if o.lr is not None else {},
                    "served": {"uri": served_draft_uri(config.output, o.name), "fence": fence,
