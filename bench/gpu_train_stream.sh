@@ -21,6 +21,8 @@ say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
 MARKER="$OUT/killed-once"
 rm -f "$MARKER"
 
+# A command cut off by its call's time limit leaves its local Ray (and engines) behind, holding GPU memory.
+pkill -9 -f "raylet|gcs_server|ray::|engine_pass" 2>/dev/null; sleep 1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$log"
 nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -l 1 > "$OUT/gpu_processes.csv" &
 SMI=$!

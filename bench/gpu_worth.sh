@@ -23,6 +23,8 @@ log="$OUT/log.txt"
 say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
 quiet() { grep -v "Reporting training result\|Checkpoint successfully\|PlacementGroupCleaner\|^\s*$"; }
 
+# A command cut off by its call's time limit leaves its local Ray (and engines) behind, holding GPU memory.
+pkill -9 -f "raylet|gcs_server|ray::|engine_pass" 2>/dev/null; sleep 1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$log"
 say "stage 2"
 timeout 150 python -m job hidden-states --config "$CONFIG" --output "$RUN" 2>&1 | tee -a "$OUT/stage2.log" | quiet \
