@@ -7,10 +7,9 @@ full-attention decoder layer over the slots (causal, at position p) and the fina
 with the target's (tied) LM head. vLLM feeds it exactly this: the target's token ids shifted by one, its positions
 and its returned hidden states, which Qwen3.5 returns after the final norm.
 
-Trained here as speculators and the DeepSeek-V3 recipe train an MTP module: the language model frozen, cross-entropy
-on the token two ahead, on fresh synthetic chats of the same corpus. The decoder layer starts from the target's own
-full-attention layer (it then learns in ~100 steps what a random layer needs several hundred for), the norms at
-identity and `fc` random.
+Trained with the language model frozen: cross-entropy on the token two ahead, over the completions of fresh synthetic
+chats of the same corpus. The decoder layer starts from a copy of the target's own full-attention layer, the norms at
+identity and `fc` random. One MTP layer (MTP_NUM_LAYERS), as Qwen3.5/3.6 ship.
 """
 
 from __future__ import annotations
@@ -28,12 +27,6 @@ MTP_LEARNING_RATE = 2e-3
 MTP_WARMUP_STEPS = 10
 # Distinct chats the steps draw from (each seen ~4 times): the language model's states are computed once per chat.
 MTP_NUM_CHATS = 600
-
-
-def mtp_keys(num_layers: int) -> tuple[str, ...]:
-    """The checkpoint's `mtp.*` prefixes vLLM's qwen3_5_mtp loads (besides each layer's own keys)."""
-    return ("mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight",
-            "mtp.pre_fc_norm_embedding.weight", *(f"mtp.layers.{i}." for i in range(num_layers)))
 
 
 class MtpHead:
@@ -147,7 +140,7 @@ def train_mtp_head(text_model, text_config, full_attention_layer: int, chats, pa
     for p in text_model.parameters():
         p.requires_grad_(False)
     head = MtpHead(text_config, full_attention_layer)
-    # The target's own full-attention layer as the start (same shapes: the head's layer is one of its kind).
+    # A copy of the target's own full-attention layer as the start (the head's layer is one of its kind).
     head.layer.load_state_dict(language_model(text_model).layers[full_attention_layer].state_dict())
     started = time.monotonic()
     batches = _final_hidden(text_model, chats, pad_id, MTP_CHATS_PER_STEP)
