@@ -175,7 +175,8 @@ def tiny_model_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir() -> str:
     """The target's architecture (Qwen3.5/3.6: Gated DeltaNet + gated attention, vision tower, MTP head) at tiny
-    scale, built once per checkout (~1 min on 2 cores). Tests that use it are in the slow tier."""
+    scale, built once per checkout (~2 min on 2 cores, its MTP head trained last). Tests that use it are in the slow
+    tier."""
     from job.builtin.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(str(REPO / ".cache" / "tiny-hybrid"), architecture="hybrid")
