@@ -56,8 +56,8 @@ TEST_WORKERS ?= 2
 TRAINERS_STAMP := .venv-trainers/.installed
 PYTEST := $(PY) -m pytest -x -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0)
 TINY_MODEL := .cache/tiny-model/build_info.json
-TINY_MODEL_RECIPE := $(addprefix job/builtin/,tiny_model.py corpus.py tokenizer.py architectures.py training.py mtp_head.py \
-                       data/corpus.txt data/chat_template.jinja)
+TINY_MODEL_RECIPE := $(addprefix job/builtin/,tiny_model.py corpus.py tokenizer.py architectures.py training.py \
+                       mtp_head.py data/corpus.txt data/chat_template.jinja)
 $(TINY_MODEL): $(STAMP) $(TINY_MODEL_RECIPE)
 	$(PY) -c "from job.builtin.tiny_model import ensure_tiny_model; ensure_tiny_model('.cache/tiny-model')"
 # The hybrid tiny model (the target's architecture: Gated DeltaNet + gated attention; ~2 min alone here, its MTP
