@@ -4,8 +4,11 @@ is a real baseline for `python -m job worth` (a random head accepts nothing, and
 The head is Qwen3.5's as vLLM's qwen3_5_mtp serves it: at slot p it takes the token x[p+1] and the target's final
 (normed) hidden state at p, `fc([pre_fc_norm_embedding(embed(x[p+1])); pre_fc_norm_hidden(h[p])])`, runs one
 full-attention decoder layer over the slots (causal, at position p) and the final `norm`, and predicts x[p+2]
-with the target's (tied) LM head. vLLM feeds it exactly this: the target's token ids shifted by one, its positions
-and its returned hidden states, which Qwen3.5 returns after the final norm.
+with the target's (tied) LM head. For the first drafted token vLLM feeds it exactly this: the target's token ids
+shifted by one, its positions and its returned hidden states, which Qwen3.5 returns after the final norm. For the
+second and later ones (k > 1) vLLM chains the head on its own normed output instead of the target's state, a step
+this training never shows it: served at k = 3 its acceptance falls with the position (0.48, 0.32, 0.25 on an H100,
+docs/BENCHMARKS.md), more than a head trained on its chained steps would.
 
 Trained with the language model frozen: cross-entropy on the token two ahead, over the completions of fresh synthetic
 chats of the same corpus. The decoder layer starts from a copy of the target's own full-attention layer, the norms at
