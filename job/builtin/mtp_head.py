@@ -17,8 +17,9 @@ identity and `fc` random. One MTP layer (MTP_NUM_LAYERS), as Qwen3.5/3.6 ship.
 
 from __future__ import annotations
 
-import math
 import time
+
+from job.builtin.training import warmup_cosine
 
 # 300 steps of 8 chats in ~32 s on 2 cores, the language model's states of the chats computed once first (~8 s):
 # loss 15.1 -> 1.7 (the language model's own next-token loss is ~1.3). On 108 chats it never saw, the head's top
@@ -27,7 +28,6 @@ import time
 MTP_TRAIN_STEPS = 300
 MTP_CHATS_PER_STEP = 8
 MTP_LEARNING_RATE = 2e-3
-MTP_WARMUP_STEPS = 10
 # Distinct chats the steps draw from (each seen ~4 times): the language model's states are computed once per chat.
 MTP_NUM_CHATS = 600
 
@@ -151,13 +151,7 @@ def train_mtp_head(text_model, text_config, full_attention_layer: int, chats, pa
     params = list(head.modules.parameters())
     optimizer = torch.optim.AdamW(params, lr=MTP_LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
 
-    def lr_factor(step: int) -> float:  # linear warmup, then cosine decay to 10 %
-        if step < MTP_WARMUP_STEPS:
-            return (step + 1) / MTP_WARMUP_STEPS
-        progress = (step - MTP_WARMUP_STEPS) / max(1, steps - MTP_WARMUP_STEPS)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))  # the language model's schedule
     order = random.Random(seed).sample(range(len(batches)), len(batches))
     head.modules.train()
     for step in range(steps):

@@ -115,6 +115,18 @@ def _weighted_loss(logits, input_ids, labels, is_boundary):
     return (losses * weights).sum() / weights.sum()
 
 
+def warmup_cosine(train_steps: int, warmup: int = WARMUP_STEPS):
+    """The learning-rate factor by step: linear warmup, then cosine decay to 10 % (LambdaLR's function)."""
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, train_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return lr_factor
+
+
 @contextlib.contextmanager
 def fixed_threads(num_threads: int):
     # heavy: keeps python -m job --help fast
@@ -138,13 +150,7 @@ def train(make_model, vocab_size: int, tokenizer, examples, pad_id: int, train_s
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
 
-    def lr_factor(step: int) -> float:  # linear warmup, then cosine decay to 10%
-        if step < WARMUP_STEPS:
-            return (step + 1) / WARMUP_STEPS
-        progress = (step - WARMUP_STEPS) / max(1, train_steps - WARMUP_STEPS)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(train_steps))
     input_ids, position_ids, labels = _packed_rows(examples, pad_id)
     is_boundary = _boundary_tokens(tokenizer, vocab_size)
     started = time.monotonic()
