@@ -30,6 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode_capture's helpers
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 # The hooks travel to the engine's process as functions (pickled), and the rows come back as tensors.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -113,8 +114,11 @@ def stacked(by_layer: dict, layer_ids: list[int], positions: range):
     return torch.stack([torch.stack([by_layer[k][p] for p in positions]) for k in layer_ids], dim=1)
 
 
-def relative(a, b):
-    return float((a.float() - b.float()).norm(dim=-1).div(b.float().norm(dim=-1).clamp_min(1e-12)).mean())
+def mean_relative(a, b) -> float:
+    """bench_decode_capture.py's ||a - b|| / ||b|| per row, averaged."""
+    from bench_decode_capture import relative
+
+    return float(relative(a.float(), b.float()).mean())
 
 
 def main() -> int:
@@ -200,10 +204,10 @@ def main() -> int:
             for h in hooks:
                 h.remove()
             hf_rows[dt] = torch.stack([got[k][start:end] for k in layer_ids], dim=1)
-        diffs["decode_vs_vllm_prefill"].append(relative(decode, vllm_prefill))
-        diffs["decode_vs_transformers_prefill"].append(relative(decode, hf_rows["float32"]))
-        diffs["vllm_vs_transformers_prefill"].append(relative(vllm_prefill, hf_rows["float32"]))
-        diffs["transformers_bf16_vs_float32"].append(relative(hf_rows["bfloat16"], hf_rows["float32"]))
+        diffs["decode_vs_vllm_prefill"].append(mean_relative(decode, vllm_prefill))
+        diffs["decode_vs_transformers_prefill"].append(mean_relative(decode, hf_rows["float32"]))
+        diffs["vllm_vs_transformers_prefill"].append(mean_relative(vllm_prefill, hf_rows["float32"]))
+        diffs["transformers_bf16_vs_float32"].append(mean_relative(hf_rows["bfloat16"], hf_rows["float32"]))
 
     result = {
         "model": model_dir, "prompts": len(prompts), "max_tokens": args.max_tokens, "layers": layer_ids,
