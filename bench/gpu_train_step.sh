@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One training step of `python -m job train` on the Qwen3.6-27B shape (bench/bench_train_step.py), on one GPU:
+# EAGLE-3 and DFlash, by tokens per step, with the target's whole vocabulary (what `train` does) and with a 32,000-id
+# draft vocabulary. The 27B-shaped directory (config, tokenizer, the ~5 GB of tensors training reads) is made once
+# under /root when the GPU machine has one (it lasts between calls there).
+# On the GPU machine, from the repository root, wheels installed:
+#   OUT=$OUT bash bench/gpu_train_step.sh
+set -u
+export PYTHONPATH=/root/site:$PWD
+OUT=${OUT:-bench/results/gpu_train_step}
+mkdir -p "$OUT"
+TOKENIZER=.cache/tiny-hybrid
+[ -d /root/tiny-hybrid ] && TOKENIZER=/root/tiny-hybrid
+DUMMY=.cache/dummy-hybrid-27b
+[ -d /root ] && [ -w /root ] && DUMMY=/root/dummy-hybrid-27b
+log="$OUT/log.txt"
+say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
+pkill -9 -f "raylet|gcs_server|ray::|engine_pass" 2>/dev/null; sleep 1
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$log"
+step() {
+  say "$*"
+  timeout "${STEP_TIMEOUT:-240}" python bench/bench_train_step.py --dummy-dir "$DUMMY" --tokenizer-from "$TOKENIZER" \
+    --out "$OUT/train_step.jsonl" "$@" 2>&1 | tee -a "$OUT/bench.log" | grep '^{' | tee -a "$log"
+}
+step --format eagle3 --seq-lens 8192,16384,32768
+step --format eagle3 --seq-lens 8192,32768 --draft-vocab 32000
+step --format dflash --seq-lens 8192,16384
+step --format dflash --seq-lens 8192 --draft-vocab 32000
+say "done"
