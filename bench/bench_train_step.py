@@ -12,10 +12,10 @@ states (aux layers + last, bf16) filling the pack (`total_seq_len` = the sequenc
 ones. Per length: 2 warm-up steps (torch.compile), then the median of `--steps` timed steps, with
 `torch.cuda.max_memory_allocated` over the whole (weights, optimizer state, activations).
 
-`--draft-vocab N` gives the draft N output tokens (speculators' d2t/t2d mapping, here the N most frequent ids of
-a random frequency table) instead of the target's whole vocabulary, which is what `train` does today (no token
-frequencies are given to it). CUDA only: on CPU it runs, for the `--help` check and a smoke test on a small
-target (`--model .cache/tiny-hybrid`).
+The draft's output vocabulary is what `train` picks (job/train/vocab.py): speculators' 32,000 ids, the most frequent
+of the run's tokens (here of random counts); `--draft-vocab 0` gives it the target's whole vocabulary (248,320 ids:
+what speculators trains when no token counts reach it), `--draft-vocab N` N ids. Meant for a GPU; on CPU it runs
+too, slowly (a smoke test on a small target: `--model .cache/tiny-hybrid`).
 """
 
 from __future__ import annotations
@@ -66,17 +66,13 @@ def draft_config(model_dir: str, fmt: str) -> dict:
         os.unlink(f.name)
 
 
-def vocab_overrides(draft_vocab: int | None, target_vocab: int, workdir: str) -> dict:
-    """speculators' token-frequency route to a draft vocabulary of `draft_vocab` ids (None: the whole target's)."""
+def token_counts(target_vocab: int) -> dict[int, int]:
+    """Stand-in counts of the run's output tokens (`train` counts the real ones, job/train/vocab.py): random, so the
+    draft's ids are an arbitrary 32,000 of the target's. The step's cost does not depend on which."""
     import torch
 
-    if not draft_vocab:
-        return {}
-    freq = {i: int(c) for i, c in enumerate(torch.randint(1, 1000, (target_vocab,),
-                                                           generator=torch.Generator().manual_seed(1)))}
-    path = os.path.join(workdir, "token_freq.pt")
-    torch.save(freq, path)
-    return {"token_freq_path": path, "draft_vocab_size": draft_vocab}
+    counts = torch.randint(1, 1000, (target_vocab,), generator=torch.Generator().manual_seed(1))
+    return {i: int(c) for i, c in enumerate(counts)}
 
 
 def sample_of(step, seq_len: int, aux: int, hidden: int, vocab: int) -> dict:
@@ -92,17 +88,22 @@ def measure(model_dir: str, fmt: str, seq_len: int, draft_vocab: int | None, ste
     import torch
 
     from job.train.step import OnlineDraftStep
+    from job.train.vocab import needs_mapping
 
     cuda = torch.cuda.is_available()
     cfg = draft_config(model_dir, fmt)
     derived = cfg["derived"]
     with tempfile.TemporaryDirectory() as work:
-        overrides = {"total_seq_len": seq_len, **vocab_overrides(draft_vocab, derived["target_vocab_size"], work)}
+        target_vocab = derived["target_vocab_size"]
+        if draft_vocab is not None:
+            cfg["draft_vocab_size"] = draft_vocab or target_vocab
+        # As `train` (job/train/run.py): the run's token counts where the draft's vocabulary is the smaller.
+        token_freq = token_counts(target_vocab) if needs_mapping(cfg) else None
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        step = OnlineDraftStep(cfg, fmt, model_dir, work, **overrides)
+        step = OnlineDraftStep(cfg, fmt, model_dir, work, token_freq=token_freq, total_seq_len=seq_len)
         built_s = time.perf_counter() - started
         params = sum(p.numel() for p in step.model.parameters())
         trainable = sum(p.numel() for p in step.model.parameters() if p.requires_grad)
@@ -119,11 +120,10 @@ def measure(model_dir: str, fmt: str, seq_len: int, draft_vocab: int | None, ste
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated() if cuda else None
-        draft_vocab_size = int(getattr(step.args, "draft_vocab_size", 0) or 0)
+        draft_vocab_size = int(step.model.config.draft_vocab_size)
         del step
     median = statistics.median(times)
-    return {"format": fmt, "seq_len": seq_len, "draft_vocab": draft_vocab or derived["target_vocab_size"],
-            "draft_vocab_resolved": draft_vocab_size, "num_layers": cfg.get("num_layers"),
+    return {"format": fmt, "seq_len": seq_len, "draft_vocab": draft_vocab_size, "num_layers": cfg.get("num_layers"),
             "target_layer_ids": cfg["target_layer_ids"], "params": params, "trainable_params": trainable,
             "build_s": round(built_s, 1), "step_s_median": round(median, 4), "step_s_all": [round(t, 4) for t in times],
             "tokens_per_s": round(seq_len / median, 1), "peak_gb": round(peak / 1e9, 2) if peak else None,
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
                     help="the tiny hybrid, whose tokenizer the 27B-shaped directory borrows")
     ap.add_argument("--format", default="eagle3", choices=("eagle3", "dflash"))
     ap.add_argument("--seq-lens", default="4096,8192,16384", help="comma-separated tokens per step")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (0: the target's whole one)")
+    ap.add_argument("--draft-vocab", type=int, help="the draft's output vocabulary (default: what `train` picks, "
+                                                    "speculators' 32,000; 0: the target's whole one)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", help="append one JSON line per length here")
@@ -156,9 +157,9 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         try:
-            row = measure(model, args.format, seq_len, args.draft_vocab or None, args.steps, args.warmup)
+            row = measure(model, args.format, seq_len, args.draft_vocab, args.steps, args.warmup)
         except torch.OutOfMemoryError as e:
-            row = {"format": args.format, "seq_len": seq_len, "draft_vocab": args.draft_vocab or "target",
+            row = {"format": args.format, "seq_len": seq_len, "draft_vocab": args.draft_vocab,
                    "out_of_memory": str(e).split("\n")[0][:200]}
             torch.cuda.empty_cache()
         row.update(device=device, model=os.path.basename(model))

@@ -201,6 +201,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="stop after this many optimizer steps (default: every epoch whole): a short draft on a large "
                         "run; the samples trained are recorded, a rerun trains no more")
     p.add_argument("--lr", type=float, help="learning rate (default: speculators')")
+    p.add_argument("--draft-vocab", type=int,
+                   help="the draft predicts the N ids the run's completions use most (default: speculators' 32000, "
+                        "or the target's whole vocabulary where it is smaller)")
     p.add_argument("--speculative-tokens", type=int, help="the served draft's draft length (default 3 for EAGLE-3)")
     p.add_argument("--take-lock", action="store_true", help="take over another job's writer lock of this draft")
 
@@ -348,7 +351,7 @@ def _train_options(args, stream: bool, **over):
                  num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
                  gpus_per_worker=args.gpus_per_worker, object_store_bytes=args.object_store_bytes,
                  checkpoint_every=args.checkpoint_every, max_failures=args.max_failures, epochs=args.epochs,
-                 max_steps=args.max_steps,
+                 max_steps=args.max_steps, draft_vocab=args.draft_vocab,
                  lr=args.lr, speculative_tokens=args.speculative_tokens, checkpoints=args.checkpoints,
                  holdout=getattr(args, "holdout", None))
     return TrainOptions(**{**given, **over})

@@ -280,3 +280,37 @@ def test_train_refuses_hidden_states_another_model_computed(tmp_path):
     with pytest.raises(ConfigError, match="extracted with '/elsewhere/dense'.*not the target"):
         stage.check_target(record)
     TrainStage(RunConfig(model=dense, output=str(tmp_path / "run")), TrainOptions(name="eagle3")).check_target(record)
+
+
+def test_the_draft_predicts_the_ids_the_trained_samples_use_most(shared_run, tmp_path):
+    """`train` counts the output tokens of the run's samples (train/vocab.py) and hands the counts to speculators,
+    which keeps the `draft_vocab_size` most frequent ids as the draft's output vocabulary (its d2t / t2d). The count
+    equals that of the tokens the draft is trained to predict (the stored samples' loss-masked ids), the held-out ids
+    left out; the draft saved for vLLM predicts exactly the most frequent ids. Without the counts speculators
+    silently trains over the target's whole vocabulary (248,320 ids for Qwen3.5/3.6)."""
+    from collections import Counter
+
+    from job.train.step import OnlineDraftStep
+    from job.train.vocab import needs_mapping, token_frequencies
+    from job.trainers import speculators
+
+    vocab = 3840  # the tiny dense target's
+    for holdout in (None, HOLDOUT):
+        trained = Counter()
+        for r in load(shared_run.full):
+            if not (holdout and in_sample(r["id"], holdout)):
+                trained.update(r["input_ids"].numpy()[r["loss_mask"].numpy().astype(bool)].tolist())
+        counted = token_frequencies(shared_run.full, None, vocab, holdout=holdout)
+        assert counted == dict(trained) and sum(counted.values()) > 1000, holdout
+
+    draft_config = speculators.draft_config({"to": "speculators", "format": "eagle3", "model": shared_run.model,
+                                             "layers": {"our_layer_ids": [0, 1, 2]}, "tiny": True})
+    assert not needs_mapping(draft_config)  # the tiny target's vocabulary is smaller than speculators' 32,000
+    keep = 256
+    draft_config["draft_vocab_size"] = keep  # what `--draft-vocab 256` sets
+    assert needs_mapping(draft_config)
+    step = OnlineDraftStep(draft_config, "eagle3", shared_run.model, str(tmp_path / "work"), token_freq=counted)
+    most = sorted(counted, key=lambda t: (-counted[t], t))[:keep]
+    assert torch.nonzero(step.model.t2d).flatten().tolist() == sorted(most)
+    saved = step.save_served(str(tmp_path / "draft"))
+    assert json.load(open(os.path.join(saved, "config.json")))["draft_vocab_size"] == keep

@@ -40,7 +40,7 @@ def _train_loop(cfg: dict) -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # Ray's CPU share; more threads fight the samples' readers for the same cores
     step = OnlineDraftStep(cfg["draft_config"], cfg["format"], cfg["model"], workdir_for(rank, cfg["workdir"]),
-                           **cfg["overrides"])
+                           token_freq=cfg.get("token_freq"), **cfg["overrides"])
     # `history`: the loss of every step the weights went through (steps rolled back by a restart are not in it).
     state = {"epoch": 0, "global_step": 0, "epoch_done": False, "resumed_from_step": None, "history": [],
              "samples": 0, "tokens": 0}

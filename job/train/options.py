@@ -41,6 +41,9 @@ class TrainOptions:
     max_steps: int | None = None
     """Stop after this many optimizer steps in all (None: every epoch whole): a short draft, such as `worth`'s on a
     large run. The samples the steps trained are recorded as trained; a rerun trains nothing more."""
+    draft_vocab: int | None = None
+    """The draft's output vocabulary: the N ids the run's completions use most (train/vocab.py). None: speculators'
+    32,000, or the target's whole vocabulary where it is smaller."""
     lr: float | None = None
     """speculators' default when None."""
     speculative_tokens: int | None = None
@@ -73,6 +76,8 @@ class TrainOptions:
                 raise ConfigError(f"train: {name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train: --steps must be at least 1, got {self.max_steps}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError(f"train: --draft-vocab must be at least 1, got {self.draft_vocab}")
         if self.holdout is not None and not 0 < self.holdout < 1:
             raise ConfigError(f"train: --holdout {self.holdout}: a fraction between 0 and 1")
         if self.holdout is not None and self.stream:

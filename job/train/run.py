@@ -14,7 +14,7 @@ from job import layout, run_record, runs, storage, target
 from job.config import ConfigError, RunConfig
 from job.errors import JobError
 from job.stage import Stage, StageSummary, run_stage
-from job.train import data
+from job.train import data, vocab
 from job.train.checkpoint import latest_checkpoint, read_checkpoint, summary
 from job.train.draft import manifest_uri, served_config, served_draft_uri
 from job.train.options import TrainOptions
@@ -77,6 +77,8 @@ class TrainStage(Stage):
                     "data": "stream" if o.stream else "stored", "holdout": o.holdout}
         if o.max_steps is not None:  # only when given: a draft trained before the option keeps its identity
             identity["steps"] = o.max_steps
+        if o.draft_vocab is not None:  # the same
+            identity["draft_vocab"] = o.draft_vocab
         return identity
 
     def check_target(self, record) -> None:
@@ -237,7 +239,16 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
     dataset, plan = data.samples(config, streamed=o.stream, to=o.to, format=o.format, layers=o.layers,
                                  skip_ids=skip, holdout=o.holdout)
     draft_config = draft_config_of(config, o, plan)
+    token_freq = None
+    if vocab.needs_mapping(draft_config):
+        target_vocab = draft_config["derived"]["target_vocab_size"]
+        token_freq = vocab.token_frequencies(config.output, config.storage, target_vocab,
+                                             keep_flagged=config.hidden_states.keep_flagged, holdout=o.holdout)
+        print(f"train: the draft predicts the {draft_config['draft_vocab_size']:,} ids the run's completions use most "
+              f"(of the target's {target_vocab:,}; {sum(token_freq.values()):,} "
+              f"tokens counted, {len(token_freq):,} distinct)", flush=True)
     loop_config = {"draft_config": draft_config, "format": o.format, "model": config.model, "epochs": o.epochs,
+                   "token_freq": token_freq,
                    "max_steps": o.max_steps, "checkpoint_every": o.checkpoint_every,
                    "workdir": os.path.join(tempfile.gettempdir(), f"train-{o.name}"),
                    "overrides": {"lr": o.lr} if o.lr is not None else {},
@@ -266,7 +277,14 @@ def draft_config_of(config: RunConfig, options: TrainOptions, plan=None) -> dict
     o = options
     plan = plan or data.draft_plan(config, streamed=o.stream, to=o.to, format=o.format, layers=o.layers)
     fields = manifest_fields(plan, config.hidden_states.compute_dtype)
-    return speculators.draft_config({"to": o.to, "format": o.format, **fields})
+    draft = speculators.draft_config({"to": o.to, "format": o.format, **fields})
+    if o.draft_vocab is not None:
+        target_vocab = draft["derived"]["target_vocab_size"]
+        if o.draft_vocab > target_vocab:
+            raise ConfigError(f"train: --draft-vocab {o.draft_vocab:,} is more than the target's vocabulary "
+                              f"({target_vocab:,} ids)")
+        draft["draft_vocab_size"] = o.draft_vocab
+    return draft
 
 
 def run_config_of(run: str, storage_config, config_path: str | None = None, **overrides) -> RunConfig:

@@ -32,7 +32,10 @@ from job.trainers.speculators_train import (
 class OnlineDraftStep:
     """One rank's draft model and optimizer. `step(samples)` trains on one pack, in step with the other ranks."""
 
-    def __init__(self, draft_config: dict, fmt: str, model_dir: str, workdir: str, **overrides):
+    def __init__(self, draft_config: dict, fmt: str, model_dir: str, workdir: str,
+                 token_freq: dict[int, int] | None = None, **overrides):
+        """`token_freq`: the run's token counts (train/vocab.py), from which speculators picks the draft's
+        `draft_vocab_size` ids; None: the target's whole vocabulary."""
         import torch  # heavy: imported on use
 
         import_speculators()
@@ -42,6 +45,11 @@ class OnlineDraftStep:
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
+        if token_freq:
+            from job.train.vocab import write_token_frequencies
+
+            os.makedirs(workdir, exist_ok=True)
+            overrides["token_freq_path"] = write_token_frequencies(token_freq, os.path.join(workdir, "token_freq.pt"))
         self.args = resolve_args(None, {"format": fmt, "model": model_dir}, draft_config, workdir,
                                  cpu=self.device.type == "cpu", epochs=1, scheduler_type="none", **overrides)
         model_class, model = build_model(self.args)
