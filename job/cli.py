@@ -256,6 +256,9 @@ def _add_read_side(sub, run_dir: list) -> None:
     pl.add_argument("--stage2-tokens-per-s-per-gpu", type=float, default=plan.DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU,
                     help="stage-2 tokens/s per GPU, prompt + completion (default %(default)s: one H200, the 27B "
                          "hybrid shape, docs/BENCHMARKS.md)")
+    pl.add_argument("--train-tokens-per-s-per-gpu", type=float, default=plan.DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU,
+                    help="what `python -m job train` trains per second per GPU, prompt + completion tokens (default "
+                         "%(default)s: one H100, EAGLE-3 on the 27B shape, docs/BENCHMARKS.md)")
     pl.add_argument("--epochs", type=int, default=1,
                     help="training epochs over the data: streaming extracts once per epoch (default %(default)s)")
     pl.add_argument("--export-gb-per-s-per-node", type=float, default=plan.DEFAULT_EXPORT_GB_PER_S_PER_NODE,

@@ -33,6 +33,12 @@ def test_reproduces_the_real_run():
     assert e["every_trainer_extra_bytes"] == pytest.approx(2_285_000_000 * 20_480)
     # An export reads the 164 TB and writes them again: 2 × 164 TB at the assumed 1 GB/s per node is ~91 hours.
     assert e["export_hours_per_node"] == pytest.approx(2 * 2_285_000_000 * 71_685 / 1e9 / 3600)
+    # Training the draft: every token once per epoch at one H100's measured 22,700 tok/s: ~28 GPU-hours.
+    assert e["train_gpu_hours"] == pytest.approx(2_285_000_000 / 22_700 / 3600)
+    two = estimate(PlanInputs(num_prompts=914_000, output_tokens_per_prompt=2500, prompt_tokens_per_prompt=500,
+                              num_gpus=7, output_tokens_per_s_per_gpu=2000, usd_per_gpu_hour=3.81, epochs=2,
+                              train_tokens_per_s_per_gpu=10_000))
+    assert two["train_gpu_hours"] == pytest.approx(914_000 * 3000 * 2 / 10_000 / 3600)  # prompt tokens train too
 
 
 def test_cli_prints_hours_cost_and_storage(capsys):
@@ -41,6 +47,9 @@ def test_cli_prints_hours_cost_and_storage(capsys):
     assert "45.3 hours" in out and "$1,209" in out and "$0.529 per million output tokens" in out
     assert "completions 11.4 GB" in out and "hidden states 163.8 TB" in out
     assert "of which 46.8 TB" in out and "+20,480 B per token over DFlash's 5 layers" in out
+    assert "22,700 tok/s per GPU: one H100" in out and "28.0 GPU-hours (4.0 h on 7 GPUs), $107" in out
+    assert cli.main(["plan", *REAL_RUN, "--train-tokens-per-s-per-gpu", "0"]) == 2
+    assert "train_tokens_per_s_per_gpu must be > 0" in capsys.readouterr().err
 
 
 def test_cli_json_and_prompt_tokens(capsys):

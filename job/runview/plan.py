@@ -27,6 +27,9 @@ model's config.json; tensor_parallel_size, rows per shard, max_tokens), else fro
 and stage 2's recorded estimate, else Qwen3.6-27B's every-trainer layers. A model whose config.json is not on this
 machine gets Qwen3.6-27B's shape and a note (`--model DIR` reads another).
 
+Training the draft (`python -m job train`, speculators' EAGLE-3 or DFlash):
+    training GPU-hours = (prompt + output tokens) × epochs / training tokens/s per GPU / 3600
+
 Three ways to get the hidden states to the trainer, each with its GPU-hours, bytes and money:
     stage 2 GPU-hours  = (prompt + output tokens) / stage-2 tokens/s per GPU / 3600
     stored bf16        = stage 2 once + hidden states × $ per GB-month × months kept
@@ -65,6 +68,12 @@ PROMPT_ID_BYTES = 4  # prompt_token_ids: int32 per prompt token
 # elementwise kernels (`fuse: auto` = compile; docs/BENCHMARKS.md): prompt + completion tokens per second
 # per GPU. 10,136 before the fusion.
 DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU = 12_318
+# `python -m job train` on one H100, Qwen3.6-27B's shape (bench/bench_train_step.py, docs/BENCHMARKS.md): EAGLE-3 with
+# speculators' 32,000-id draft vocabulary, one step of 8,192 tokens (speculators' total_seq_len) in 0.36 s, 26 GB
+# of GPU memory at its peak: trained tokens (prompt + completion) per second per GPU. The target's whole vocabulary
+# (248,320 ids) takes 0.64 s and 66 GB.
+DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU = 22_700
+TRAIN_PEAK_GB = 26.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +138,8 @@ class PlanInputs:
     included."""
     usd_per_gb_month: float = DEFAULT_USD_PER_GB_MONTH
     stage2_tokens_per_s_per_gpu: float = DEFAULT_STAGE2_TOKENS_PER_S_PER_GPU
+    train_tokens_per_s_per_gpu: float = DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU
+    """What `python -m job train` trains per second per GPU (prompt + completion tokens)."""
     epochs: int = 1
     """Training epochs over the data: a streamed run extracts once per epoch."""
     months_stored: float = 1.0
@@ -147,8 +158,8 @@ class PlanInputs:
         if self.hidden_bytes_per_token is None:
             self.hidden_bytes_per_token = self.layout.bytes_per_token
         for name in ("num_prompts", "output_tokens_per_prompt", "num_gpus", "output_tokens_per_s_per_gpu",
-                     "stage2_tokens_per_s_per_gpu", "epochs", "gpus_per_engine", "rows_per_shard",
-                     "hidden_rows_per_shard"):
+                     "stage2_tokens_per_s_per_gpu", "train_tokens_per_s_per_gpu", "epochs", "gpus_per_engine",
+                     "rows_per_shard", "hidden_rows_per_shard"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"plan: {name} must be > 0, got {getattr(self, name)!r}")
         for name in ("usd_per_gpu_hour", "prompt_tokens_per_prompt", "hidden_bytes_per_token",
@@ -194,6 +205,8 @@ def estimate(p: PlanInputs) -> dict:
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_usd_per_month": hidden_bytes / 1e9 * p.usd_per_gb_month,
         "hidden_state_ways": hidden_state_ways(p, output_tokens + prompt_tokens),
+        # The draft trains on every token of every sample, each epoch.
+        "train_gpu_hours": (output_tokens + prompt_tokens) * p.epochs / p.train_tokens_per_s_per_gpu / 3600,
         "completion_shards": completion_shards,
         "stage2_parts": stage2_parts,
         "objects_written": objects,
@@ -310,6 +323,7 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
             f"+{p['hidden_bytes_per_token'] - lay.dflash_only_bytes_per_token:,.0f} B per token over DFlash's "
             f"{len(dflash)} layers, {lay.dflash_only_bytes_per_token:,} B): one stage-2 run exports to every trainer")
     lines += _ways_lines(e, p)
+    lines += _train_lines(e, p)
     lines += _worth_lines((measured or {}).get("worth") or {})
     export_h = e["export_hours_per_node"]
     idle_units = engine_units(p["num_gpus"], p["device"])
@@ -326,6 +340,21 @@ def format_plan(e: dict, measured: dict | None = None) -> str:
         f"{_usd(e['write_requests_usd'])})",
     ]
     return "\n".join(lines)
+
+
+def _train_lines(e: dict, p: dict) -> list[str]:
+    gpu, hours = p["device"], e["train_gpu_hours"]
+    rate = p["train_tokens_per_s_per_gpu"]
+    measured = rate == DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU
+    source = (f"one H100 on the 27B shape, EAGLE-3, 8,192 tokens a step, {TRAIN_PEAK_GB:g} GB at its peak"
+              if measured else "as given")
+    lines = [f"train    the draft (`python -m job train`, {rate:,.0f} tok/s per {gpu}: {source}; "
+             f"{p['epochs']} epoch{'s' * (p['epochs'] != 1)}): {_num(hours)} {gpu}-hours "
+             f"({_hours(hours / p['num_gpus'], short=True)} on {engine_units(p['num_gpus'], gpu)}), "
+             f"{_usd(hours * p['usd_per_gpu_hour'])}"]
+    if gpu != "GPU" and measured:
+        lines.append(f"         (training's rate is one H100's, not a {gpu}'s: pass --train-tokens-per-s-per-gpu)")
+    return lines
 
 
 def _worth_lines(worth: dict) -> list[str]:

@@ -27,6 +27,7 @@ from job.config import ConfigError, resolve_layer_ids
 from job.run_record import RunRecord
 from job.runview.plan import (
     DEFAULT_COMPLETION_BYTES_PER_TOKEN,
+    DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU,
     QWEN36_27B,
     HiddenLayout,
     PlanError,
@@ -229,6 +230,7 @@ def plan_from_flags(args, storage_config=None) -> tuple[dict, dict | None]:
         or args.tokens_per_prompt is not None else m.get("completion_bytes_per_prompt"),
         usd_per_gb_month=args.usd_per_gb_month,
         stage2_tokens_per_s_per_gpu=args.stage2_tokens_per_s_per_gpu, epochs=args.epochs,
+        train_tokens_per_s_per_gpu=getattr(args, "train_tokens_per_s_per_gpu", DEFAULT_TRAIN_TOKENS_PER_S_PER_GPU),
         months_stored=args.months_stored, export_gb_per_s_per_node=getattr(args, "export_gb_per_s_per_node", 1.0),
         # A CPU run's engines are CPU engines, unless the plan is for GPUs (--gpus given).
         device=run["device"] if run and args.gpus is None else "GPU",
