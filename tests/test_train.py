@@ -59,6 +59,9 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
         cpus_per_worker=0.25,  # the session Ray has 2 CPUs: the parts' reader (0.25) + 2 × 0.25 training
         checkpoint_every=2, max_failures=1, object_store_bytes=256 * 1024**2,
         lr=5e-3,  # ~8 steps on the ~18 samples training keeps: speculators' 1e-3 barely moves the draft in 8
+        # The 1,024 ids the run uses most (of 3,840; it uses fewer): a draft vocabulary smaller than the target's, as
+        # the 27B's 32,000 of 248,320, through speculators' mapping on 2 ranks and vLLM's d2t.
+        draft_vocab=1024,
         worker_env={"PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, str(REPO), os.environ.get("PYTHONPATH")])),
                     "DATAGEN_TEST_KILL_TRAIN_RANK": f"1:{marker}"})  # SIGKILL after its first checkpoint
     options = WorthOptions(format="eagle3", holdout=HOLDOUT, rows=6, max_tokens=32, train=train)
@@ -86,6 +89,7 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
     assert config_json["speculators_model_type"] == "eagle3" and os.path.isabs(
         config_json["speculators_config"]["verifier"]["name_or_path"])
     assert config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config_json["draft_vocab_size"] == 1024
     manifest = json.load(open(os.path.join(run, "drafts", "killed", "train.json")))
     assert manifest["format"] == "eagle3" and manifest["steps"] == len(final["state"]["history"])
     record = run_record.read(run, None)

@@ -239,14 +239,7 @@ def fit(config: RunConfig, options: TrainOptions, storage_path: str, ray_name: s
     dataset, plan = data.samples(config, streamed=o.stream, to=o.to, format=o.format, layers=o.layers,
                                  skip_ids=skip, holdout=o.holdout)
     draft_config = draft_config_of(config, o, plan)
-    token_freq = None
-    if vocab.needs_mapping(draft_config):
-        target_vocab = draft_config["derived"]["target_vocab_size"]
-        token_freq = vocab.token_frequencies(config.output, config.storage, target_vocab,
-                                             keep_flagged=config.hidden_states.keep_flagged, holdout=o.holdout)
-        print(f"train: the draft predicts the {draft_config['draft_vocab_size']:,} ids the run's completions use most "
-              f"(of the target's {target_vocab:,}; {sum(token_freq.values()):,} "
-              f"tokens counted, {len(token_freq):,} distinct)", flush=True)
+    token_freq = draft_vocabulary(config, o, draft_config)
     loop_config = {"draft_config": draft_config, "format": o.format, "model": config.model, "epochs": o.epochs,
                    "token_freq": token_freq,
                    "max_steps": o.max_steps, "checkpoint_every": o.checkpoint_every,
@@ -285,6 +278,20 @@ def draft_config_of(config: RunConfig, options: TrainOptions, plan=None) -> dict
                               f"({target_vocab:,} ids)")
         draft["draft_vocab_size"] = o.draft_vocab
     return draft
+
+
+def draft_vocabulary(config: RunConfig, options: TrainOptions, draft_config: dict) -> dict[int, int] | None:
+    """The run's token counts the draft's vocabulary is picked from (train/vocab.py), or None where the draft keeps
+    the target's whole vocabulary. What `fit` trains with and `worth`'s untrained draft is built with."""
+    if not vocab.needs_mapping(draft_config):
+        return None
+    target_vocab = draft_config["derived"]["target_vocab_size"]
+    freq = vocab.token_frequencies(config.output, config.storage, target_vocab,
+                                   keep_flagged=config.hidden_states.keep_flagged, holdout=options.holdout)
+    print(f"train: the draft predicts the {draft_config['draft_vocab_size']:,} ids the run's completions use most "
+          f"(of the target's {target_vocab:,}; {sum(freq.values()):,} tokens counted, {len(freq):,} distinct)",
+          flush=True)
+    return freq
 
 
 def run_config_of(run: str, storage_config, config_path: str | None = None, **overrides) -> RunConfig:

@@ -29,7 +29,9 @@ def speculative_config(spec: dict, stack) -> dict | None:
         from job.train.step import OnlineDraftStep
 
         u = spec["untrained"]
-        step = OnlineDraftStep(u["draft_config"], u["format"], spec["model"], os.path.join(spec["workdir"], "init"))
+        freq = {int(t): int(n) for t, n in u["token_freq"]} if u.get("token_freq") else None
+        step = OnlineDraftStep(u["draft_config"], u["format"], spec["model"], os.path.join(spec["workdir"], "init"),
+                               token_freq=freq)
         draft = step.save_served(os.path.join(spec["workdir"], "untrained"), given["num_speculative_tokens"])
     method = json.load(open(os.path.join(draft, "config.json")))["speculators_model_type"]
     return {"model": os.path.abspath(draft), "method": method, **given}

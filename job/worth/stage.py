@@ -24,7 +24,7 @@ from job.config import ConfigError, RunConfig, to_dict
 from job.export.files import in_sample
 from job.stage import Stage, StageSummary, run_stage
 from job.train import TrainOptions
-from job.train.run import TrainSummary, draft_config_of, run_train
+from job.train.run import TrainSummary, draft_config_of, draft_vocabulary, run_train
 from job.train.serve import target_sampling
 from job.worth import verdict
 
@@ -146,7 +146,10 @@ class WorthStage(Stage):
         if name == "trained":
             spec["draft_uri"], spec["speculative_config"] = self.trained.draft, {"num_speculative_tokens": self.k}
         elif name == "untrained":
-            spec["untrained"] = {"draft_config": draft_config_of(c, o.train), "format": o.format}
+            draft_config = draft_config_of(c, o.train)
+            freq = draft_vocabulary(c, o.train, draft_config)  # the trained draft's vocabulary
+            spec["untrained"] = {"draft_config": draft_config, "format": o.format,
+                                 "token_freq": sorted(freq.items()) if freq else None}  # JSON: pairs, not str keys
             spec["speculative_config"] = {"num_speculative_tokens": self.k}
         elif name == "mtp":
             spec["speculative_config"] = {"method": "mtp", "num_speculative_tokens": self.k}
