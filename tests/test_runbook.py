@@ -165,6 +165,7 @@ def test_the_figures_the_docs_repeat_are_the_plans():
     cluster = README[README.index("## Running on a cluster"):README.index("## The target is a hybrid model")]
     assert f"≈{on8['hours']:.0f} h, ≈${round(on8['cost_usd'], -1):,.0f} on 8 GPUs" in cluster
     assert f"stored in bf16 (~{bf16_tb:.0f} TB for the completions' tokens;" in cluster
+    assert f"(~{on8['train_gpu_hours']:.0f}\nGPU-hours an epoch at one H100's measured rate" in cluster
     row = next(line for line in OPERATIONS.splitlines() if line.startswith("| full run, 914K prompts"))
     assert f"~{on8['hours']:.0f} h on 8 GPUs ({on7['hours']:.0f} h on 7)" in row
     assert f"~${round(on8['cost_usd'], -1):,.0f}" in row
