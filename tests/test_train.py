@@ -92,6 +92,7 @@ def test_worth_trains_through_a_killed_worker_exactly_once_and_vllm_serves_every
     assert config_json["draft_vocab_size"] == 1024
     manifest = json.load(open(os.path.join(run, "drafts", "killed", "train.json")))
     assert manifest["format"] == "eagle3" and manifest["steps"] == len(final["state"]["history"])
+    assert manifest["draft_vocab_size"] == 1024
     record = run_record.read(run, None)
     assert record.stages["train-killed"].status == "complete" and record.stages["train-killed"].draft == draft
     assert record.stages["worth-eagle3"].status == "complete"

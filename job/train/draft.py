@@ -6,8 +6,8 @@ stage's fence:
                   path. Rewritten at each epoch's end by rank 0:
                       vllm serve TARGET --speculative-config '{"model": "RUN/drafts/NAME/draft",
                                                               "num_speculative_tokens": 3}'
-    train.json    its manifest: target, format, layers, data (stored or stream, samples and tokens per epoch),
-                  steps, the loss curve, the settings, where the checkpoints are
+    train.json    its manifest: target, format, layers, the draft's vocabulary size, data (stored or stream,
+                  samples and tokens per epoch), steps, the loss curve, the settings, where the checkpoints are
     checkpoints/  Ray Train's (weights + the ids trained), to resume: a rerun of the same name continues from them
 """
 

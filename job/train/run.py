@@ -129,7 +129,11 @@ class TrainStage(Stage):
                          report=manifest_uri(c.output, o.name))
         if seconds and trained_now:
             s.samples_per_s, s.tokens_per_s = s.samples / seconds, s.tokens / seconds
+        served = storage.join(draft, "config.json")
+        vocab_size = (storage.read_json(served, c.storage).get("draft_vocab_size")
+                      if storage.exists(served, c.storage) else None)
         fence.write_json(s.report, {"target": c.model, "format": o.format, "to": o.to, "layers": o.layers,
+                                    "draft_vocab_size": vocab_size,
                                     "data": "stream" if o.stream else "stored", "run": c.output,
                                     "speculative_config": s.speculative_config, "steps": s.steps,
                                     "samples": s.samples, "tokens": s.tokens, "epochs": o.epochs,
