@@ -54,16 +54,12 @@ def ensure_weights(model_dir: str) -> None:
 
 def draft_config(model_dir: str, fmt: str) -> dict:
     """The config `train` builds for a run of this target (job/train/run.py draft_config_of)."""
-    from job.config import load_config
+    from job.config import from_dict
     from job.train.options import TrainOptions
     from job.train.run import draft_config_of
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(f"model: {model_dir}\noutput: /tmp/unused-run\n")
-    try:
-        return draft_config_of(load_config(f.name), TrainOptions(format=fmt, stream=True))  # no stored parts needed
-    finally:
-        os.unlink(f.name)
+    config = from_dict({"model": model_dir, "output": "/tmp/unused-run"})
+    return draft_config_of(config, TrainOptions(format=fmt, stream=True))  # stream: no stored parts needed
 
 
 def token_counts(target_vocab: int) -> dict[int, int]:
