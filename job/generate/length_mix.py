@@ -1,0 +1,102 @@
+"""The run's length mix: what `max_num_seqs: auto` sizes a sequence for (engine_sizing.py).
+
+A paged KV cache holds each sequence's *current* length, not its final one. A sequence met at a random moment of a
+run is a length-biased draw (a 10,000-token completion is in flight 10x as long as a 1,000-token one) at a uniform
+point of its life, so on average a sequence in flight holds
+
+    in-flight tokens = mean prompt + E[L^2] / (2 E[L])       (L: output tokens, capped at sampling.max_tokens)
+
+For thinking mode (mean 2,500, p99 16,000: a lognormal with sigma 1.0, capped at 32,768) that is the prompt + 3,380
+tokens, where sizing each sequence for a fixed 8,192 sized it for about 2.4x that: 17 sequences on an H100 where 24
+fit on average. The total in flight moves around that average; when it outgrows the pool vLLM preempts the newest
+sequence and recomputes it later (bench/sim_concurrency.py measures what that costs at each max_num_seqs).
+
+Where the mix comes from, best first:
+- measured: the run's own completions so far (prompt and output tokens of every row of the units done, counted in
+  stage 1's totals and kept in run.json from the canary on): the next engine start sizes for them;
+- configured: `generate.output_tokens_mean` and `generate.output_tokens_p99` (a lognormal through both, capped at
+  sampling.max_tokens) and `generate.prompt_tokens_mean`.
+`generate.kv_tokens_per_seq` set pins a fixed number of tokens a sequence instead (the old rule).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+MIN_MEASURED_ROWS = 64  # fewer measured rows than this: the configured mix stays (a canary's 64 rows are enough)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def lognormal_sigma(mean: float, p99: float) -> float:
+    """The sigma of the lognormal whose mean and 99th percentile are these: ln p99 = mu + Z99 sigma with
+    mu = ln mean - sigma^2 / 2, the smaller root (the other puts the mean in the far tail)."""
+    if mean <= 0 or p99 <= 0:
+        raise ValueError(f"output lengths: the mean ({mean}) and the p99 ({p99}) must be positive")
+    if p99 < mean:
+        raise ValueError(f"output lengths: p99 {p99:,} is below the mean {mean:,}: a long tail has its p99 above "
+                         "the mean (generate.output_tokens_p99)")
+    gap = math.log(p99 / mean)
+    if Z99 ** 2 < 2 * gap:
+        raise ValueError(f"output lengths: no lognormal has mean {mean:,} and p99 {p99:,}: its p99 is at most "
+                         f"{math.exp(Z99 ** 2 / 2):.1f}x its mean ({mean * math.exp(Z99 ** 2 / 2):,.0f}); lower "
+                         "generate.output_tokens_p99 or raise generate.output_tokens_mean")
+    return Z99 - math.sqrt(Z99 ** 2 - 2 * gap)
+
+
+def capped_lognormal_moments(mean: float, sigma: float, cap: float) -> tuple[float, float]:
+    """E[min(L, cap)] and E[min(L, cap)^2] for L lognormal with this mean and sigma (closed form: the partial moments
+    E[L^k; L < cap] = exp(k mu + k^2 sigma^2 / 2) Phi((ln cap - mu - k sigma^2) / sigma), plus cap^k P(L >= cap))."""
+    if sigma == 0:
+        length = min(mean, cap)
+        return length, length ** 2
+    mu = math.log(mean) - sigma ** 2 / 2
+    above = 1 - _phi((math.log(cap) - mu) / sigma)
+    moments = []
+    for k in (1, 2):
+        below = math.exp(k * mu + k * k * sigma ** 2 / 2) * _phi((math.log(cap) - mu - k * sigma ** 2) / sigma)
+        moments.append(below + cap ** k * above)
+    return moments[0], moments[1]
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Mean prompt tokens and the first two moments of the output lengths, where they came from (for the log)."""
+    prompt_mean: float
+    output_mean: float
+    output_second_moment: float  # E[L^2]
+    source: str
+    sigma: float | None = None  # configured: the lognormal's sigma and mean (before the cap), for `draw`
+    lognormal_mean: float | None = None
+    cap: int | None = None
+
+    @classmethod
+    def configured(cls, output_mean: int, output_p99: int, cap: int, prompt_mean: int = 0) -> LengthMix:
+        sigma = lognormal_sigma(output_mean, output_p99)
+        first, second = capped_lognormal_moments(output_mean, sigma, cap)
+        return cls(prompt_mean=float(prompt_mean), output_mean=first, output_second_moment=second, sigma=sigma,
+                   lognormal_mean=float(output_mean), cap=int(cap), source=(f"configured: output mean {output_mean:,} and p99 {output_p99:,} (lognormal, "
+                                         f"sigma {sigma:.2f}, capped at {cap:,}), prompt mean {prompt_mean:,}"))
+
+    @classmethod
+    def measured(cls, rows: int, prompt_tokens: int, output_tokens: int, output_tokens_sq: int) -> LengthMix:
+        return cls(prompt_mean=prompt_tokens / rows, output_mean=output_tokens / rows,
+                   output_second_moment=output_tokens_sq / rows,
+                   source=f"measured on the run's {rows:,} rows so far: output mean {output_tokens / rows:,.0f}, "
+                          f"prompt mean {prompt_tokens / rows:,.0f}")
+
+    @property
+    def in_flight_tokens(self) -> float:
+        """Tokens a sequence in flight holds on average (module docstring)."""
+        return self.prompt_mean + (self.output_second_moment / (2 * self.output_mean) if self.output_mean else 0.0)
+
+    def draw(self, rng) -> int:
+        """One output length from a configured mix (benches and simulations), `rng` a random.Random."""
+        if self.sigma is None:
+            raise ValueError("a measured mix has no distribution to draw from")
+        mu = math.log(self.lognormal_mean) - self.sigma ** 2 / 2
+        return max(1, min(self.cap, round(rng.lognormvariate(mu, self.sigma))))
