@@ -75,12 +75,13 @@ def run_plain(config) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from job.generate import engine_sizing
+    from job.generate import engine_sizing, length_mix
 
     prompts, _ = _token_prompts(config)
     kwargs = dict(config.engine_kwargs)
     if engine_sizing.is_auto(kwargs):  # the value stage 1's engine works out on the same device: same concurrency
-        sizing = engine_sizing.auto_max_num_seqs(config.model, kwargs, config.generate.kv_tokens_per_seq)
+        tokens, source = length_mix.run_sizing_tokens(config)
+        sizing = engine_sizing.auto_max_num_seqs(config.model, kwargs, tokens, source=source)
         kwargs["max_num_seqs"] = sizing.max_num_seqs
         print(sizing.why, flush=True)
     llm = LLM(model=config.model, **kwargs)

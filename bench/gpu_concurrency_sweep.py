@@ -12,8 +12,8 @@ behind it). The KV pool and the CUDA graphs are the largest level's; a batch of 
 size in either engine, so a level runs as an engine started with max_num_seqs N would, up to its pool being that of
 the largest level (vLLM profiles the sampler at max_num_seqs rows: a few hundred MiB at most).
 
-Levels: numbers, `auto` (job/generate/engine_sizing.py at the config's generate.kv_tokens_per_seq), `mix` (the same at
---kv-mix tokens: the run's real length mix), `old` (the first version's sums: reserve 8.2 GiB, rounded down to 8) and
+Levels: numbers, `auto` (job/generate/engine_sizing.py at the config's length mix, job/generate/length_mix.py),
+`mix` (the same at --kv-mix tokens a sequence), `old` (the first version's sums: reserve 8.2 GiB, rounded down to 8) and
 fractions of a named level given before them (`mix*0.75`), so that one command line fits an H100 and an H200.
 Each level: --warm-s seconds to reach its batch and a steady KV use, then --measure-s seconds measured from vLLM's own
 per-step stats (a stat logger): generation tokens/s, mean running, KV use at most, preemptions. One JSON line a level
@@ -174,7 +174,9 @@ def main() -> None:
 
     prompts, config = token_prompts(args.config, args.model, args.prompts, args.workdir)
     ek = {**config.engine_kwargs, **json.loads(args.engine_kwargs)}
-    levels, named = resolve_levels(args.levels, args.model, ek, config.generate.kv_tokens_per_seq, args.kv_mix)
+    from job.generate.length_mix import run_sizing_tokens
+
+    levels, named = resolve_levels(args.levels, args.model, ek, run_sizing_tokens(config)[0], args.kv_mix)
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 

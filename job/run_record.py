@@ -72,6 +72,10 @@ class GenerateRecord(StageRecord):
     """Device name → the max_num_seqs its engines ran with."""
     max_num_seqs_auto: dict = field(default_factory=dict)
     output_tokens_per_s: float | None = None
+    lengths: dict = field(default_factory=dict)
+    """The completed rows' token counts (rows, prompt_tokens, output_tokens, output_tokens_sq: sums, error rows left
+    out), from the canary on: the measured length mix a later job's `max_num_seqs: auto` sizes for
+    (job/generate/length_mix.py)."""
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from job.generate.engine_sizing import (
     sequence_cost,
     sizing_tokens,
 )
+from job.generate.length_mix import sizing_tokens as sizing_tokens_for
 
 REPO = Path(__file__).resolve().parents[1]
 PROD_CONFIG = str(REPO / "configs" / "qwen3.6-27b.yaml")
@@ -143,7 +144,7 @@ def test_auto_on_the_production_config_per_gpu_type(tiny_hybrid_dir, tmp_path):
     config = load_config(PROD_CONFIG, model=model)
     ek = config.engine_kwargs
     assert ek["max_num_seqs"] == "auto" and ek["speculative_config"]["method"] == "mtp"
-    tokens = config.generate.kv_tokens_per_seq
+    tokens = prod_mix_tokens(config)
     h200, b200 = (auto_max_num_seqs(model, ek, tokens, device) for device in (H200, B200))
     extra = row_bytes(target.config_json(model), ek)
     for sizing in (h200, b200):  # every sequence that fits the pool left once each has taken its sampler rows
@@ -159,11 +160,22 @@ def test_auto_on_the_production_config_per_gpu_type(tiny_hybrid_dir, tmp_path):
     assert auto_max_num_seqs(model, ek, tokens, H200) == h200
 
 
+def prod_mix_tokens(config) -> int:
+    """The tokens a sequence is sized for at the production config's configured length mix (no run measured yet)."""
+    return sizing_tokens_for(config.generate, config.generate.sampling["max_tokens"],
+                             config.engine_kwargs["max_model_len"])[0]
+
+
 def test_the_docs_repeat_the_sums_figures():
     """The concurrency the README, OPERATIONS and the production config quote for `auto` is what the sums give on each
-    GPU (B200: computed from its memory, never measured): a change to the sums fails here until the docs follow."""
-    h100, h200, b200 = (_sizing(d).max_num_seqs for d in (H100, H200, B200))
-    assert (h100, h200, b200) == (17, 70, 103)
+    GPU at the production config's length mix (B200: computed from its memory, never measured): a change to the sums
+    or the mix fails here until the docs follow. At 8,192 tokens a sequence (the rule before the mix) they were 17,
+    70 and 103."""
+    tokens = prod_mix_tokens(load_config(PROD_CONFIG))
+    assert tokens == 3_520
+    h100, h200, b200 = (_sizing(d, tokens=tokens).max_num_seqs for d in (H100, H200, B200))
+    assert (h100, h200, b200) == (24, 99, 146)
+    assert tuple(_sizing(d).max_num_seqs for d in (H100, H200, B200)) == (17, 70, 103)
     readme = (REPO / "README.md").read_text()
     operations = (REPO / "docs" / "OPERATIONS.md").read_text()
     config = (REPO / "configs" / "qwen3.6-27b.yaml").read_text()

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from job import layout, pipeline, scan, schema, storage
 from job.cluster import model_missing_here, report_arrival, report_ready
 from job.config import RunConfig, from_dict
-from job.generate import engine_sizing, inputs, prompts, quality
+from job.generate import engine_sizing, inputs, length_mix, prompts, quality
 from job.generate.engine_start import (
     EngineStartError,
     is_gpu_platform,
@@ -99,9 +99,10 @@ class RowSettings:
 
 class CompletionGenerator:
     def __init__(self, config: dict, carried_schema_bytes: bytes, chat_template: str | None, job_token: str,
-                 fence, census=None):
+                 fence, census=None, lengths: dict | None = None):
         """`fence`: the stage's writer lock (job/lock.py), through which every write of this actor commits.
-        `census`: the stage's census book (job/cluster.py), told once the engine has started."""
+        `census`: the stage's census book (job/cluster.py), told once the engine has started. `lengths`: the run's
+        measured length mix so far (run.json's `generate.lengths`), which `max_num_seqs: auto` sizes for."""
         import ray  # heavy: imported on use
 
         # First: the secrets among env_vars, which never went through Ray's runtime_env (Ray logs those), set in
@@ -129,6 +130,7 @@ class CompletionGenerator:
         self.carried_schema = pa.ipc.read_schema(pa.py_buffer(carried_schema_bytes))
         self.out_schema = schema.completion_schema(self.carried_schema)
         self.chat_template = chat_template
+        self.lengths = lengths
         self.job_token = job_token  # attempts of a unit are counted per job: a new job retries every unit afresh
         self.fence = fence  # the driver's writer lock (job/lock.py): every write of this actor commits through it
         gen = self.config.generate
@@ -169,7 +171,8 @@ class CompletionGenerator:
         engine_kwargs, sizing = dict(self.config.engine_kwargs), None
         if engine_sizing.is_auto(engine_kwargs):  # sized from this device's memory before the engine exists
             try:
-                sizing = engine_sizing.auto_max_num_seqs(self.config.model, engine_kwargs, gen.kv_tokens_per_seq)
+                tokens, source = length_mix.run_sizing_tokens(self.config, self.lengths)
+                sizing = engine_sizing.auto_max_num_seqs(self.config.model, engine_kwargs, tokens, source=source)
             except ValueError as e:
                 raise EngineStartError(str(e)) from None
             engine_kwargs["max_num_seqs"] = sizing.max_num_seqs
@@ -183,7 +186,7 @@ class CompletionGenerator:
             line, self.sizing_holds = engine_sizing.check_against_vllm(
                 sizing, self.engine.vllm_config.cache_config.num_gpu_blocks, logged_since(log_from))
             fits = self.sizing_holds >= sizing.max_num_seqs
-            self.sizing_line = line + ("" if fits else (
+            self.sizing_line = line + f"; sized for {source}" + ("" if fits else (
                 f": vLLM's pool is smaller than the sums assumed, so full batches will preempt; set "
                 f"engine_kwargs.max_num_seqs to {self.sizing_holds} or fewer"))
             (log.info if fits else log.warning)("%s", self.sizing_line)
@@ -317,13 +320,16 @@ class CompletionGenerator:
             "num_errors": [sum(r[schema.ERROR] is not None for r in results)],
             "num_prompt_tokens": [sum(r[schema.NUM_PROMPT_TOKENS] or 0 for r in results)],
             "num_output_tokens": [sum(r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results)],
+            **{f"lengths_{k}": [v] for k, v in length_mix.row_lengths(  # the run's measured mix (length_mix.py)
+                [r[schema.NUM_PROMPT_TOKENS] or 0 for r in results if r[schema.ERROR] is None],
+                [r[schema.NUM_OUTPUT_TOKENS] or 0 for r in results if r[schema.ERROR] is None]).items()},
             **{f"num_{flag}": [sum(bool(r[flag]) for r in results)] for flag in schema.QUALITY_FLAGS},
             "seconds": [time.monotonic() - started],
             "node": [self.node_id],
             "device": [self.device],  # the device type and the max_num_seqs its engine runs with (`auto` differs)
             "max_num_seqs": [self.max_num_seqs],
             "sizing": [self.sizing_line],  # `auto`: the sums beside vLLM's own figures
-            "sizing_holds": [self.sizing_holds],  # sequences of kv_tokens_per_seq vLLM's pool holds (0: not auto)
+            "sizing_holds": [self.sizing_holds],  # sequences of the sized length vLLM's pool holds (0: not auto)
         }
 
     def _attempts_uri(self, unit: layout.CompletionUnit) -> str:

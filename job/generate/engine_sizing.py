@@ -12,11 +12,12 @@ it), and it has no `auto` of its own. So the sums are ours, from config.json and
 - State slots: 1 per sequence; + num_speculative_tokens with MTP (vLLM keeps a state per draft position to roll
   back to); + 1 with prefix caching on a hybrid model ("align" mode keeps the last block's state). The 27B target:
   48 GDN layers x (conv 10,240 x 3 x 2 B + recurrent 48 x 128 x 128 x 4 B) = 146.8 MiB a slot.
-- Tokens: the run's length mix, `generate.kv_tokens_per_seq` (prompt + completion) per sequence, at most
-  max_model_len, and at most the longest a sequence of the run can be (its prompt + `sampling.max_tokens`) when the
-  caller knows it. Sizing for max_model_len itself (40,960 on the real run) would leave an H200 at ~20 sequences
-  while most thinking-mode completions are a few thousand tokens; a sequence that outgrows its share borrows from
-  shorter ones, and when the pool is full vLLM preempts (recomputes) the newest.
+- Tokens: what a sequence in flight holds on average at the run's length mix (length_mix.py: its prompt +
+  E[L^2] / (2 E[L]) of its output L; measured on the run's own rows once it has them, else configured), at most
+  max_model_len and the longest a sequence can be (its prompt + `sampling.max_tokens`) where the caller knows it.
+  `generate.kv_tokens_per_seq` pins a number instead. The total in flight moves around its mean: when it outgrows
+  the pool vLLM preempts (recomputes) the newest sequence. At the thinking-mode mix on an H100 this chose 24 where
+  sizing for 8,192 tokens chose 17 (bench/sim_concurrency.py: the simulated steady state, checked against vLLM).
 - Reserve: what vLLM's start-up profile takes besides weights and cache: the activations of ONE
   max_num_batched_tokens prefill (vLLM profiles one forward) and 1.9 GiB (CUDA context, NCCL, the rest), plus per
   sequence of max_num_seqs its sampler rows (1 + num_speculative_tokens, float32 over the vocabulary) and graphs.
@@ -40,6 +41,7 @@ assumed is a warning naming the value to pin, not an error (vLLM preempts).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -243,9 +245,11 @@ def sizing_tokens(kv_tokens_per_seq: int, max_model_len: int, longest_seq: int |
     return max(1, min(int(kv_tokens_per_seq), int(max_model_len), int(longest_seq or max_model_len)))
 
 
-def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
-                      device: tuple[str, int] | None = None, longest_seq: int | None = None) -> Sizing:
-    """Every sequence whose cache fits the device's pool, within MIN_SEQS..MAX_SEQS (module docstring)."""
+def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int, device: tuple[str, int] | None = None,
+                      longest_seq: int | None = None, source: str = "") -> Sizing:
+    """Every sequence whose cache fits the device's pool, within MIN_SEQS..MAX_SEQS (module docstring).
+    `kv_tokens_per_seq`: the tokens a sequence holds on average (length_mix.sizing_tokens); `source`: where they came
+    from, for the log."""
     model_config = target.config_json(model)
     if not model_config:
         raise ValueError(f"engine_kwargs.max_num_seqs: auto needs the model's config.json ({model} has none here)")
@@ -257,7 +261,8 @@ def auto_max_num_seqs(model: str, engine_kwargs: dict, kv_tokens_per_seq: int,
     cost = sequence_cost(model_config, engine_kwargs, sizing_tokens(kv_tokens_per_seq, max_model_len, longest_seq),
                          BLOCK_ALIGN["cuda" if on_gpu else "cpu"])
     pool, pool_why = device_pool(model, model_config, engine_kwargs, device)
-    return choose(pool, cost, pool_why, row_bytes(model_config, engine_kwargs) if on_gpu else 0)
+    sizing = choose(pool, cost, pool_why, row_bytes(model_config, engine_kwargs) if on_gpu else 0)
+    return dataclasses.replace(sizing, why=f"{sizing.why}; sized for {source}") if source else sizing
 
 
 def choose(pool: int, cost: SequenceCost, pool_why: str, per_seq_extra: int = 0) -> Sizing:

@@ -78,15 +78,16 @@ class LengthMix:
     def configured(cls, output_mean: int, output_p99: int, cap: int, prompt_mean: int = 0) -> LengthMix:
         sigma = lognormal_sigma(output_mean, output_p99)
         first, second = capped_lognormal_moments(output_mean, sigma, cap)
+        source = (f"configured: output mean {output_mean:,} and p99 {output_p99:,} (lognormal, sigma {sigma:.2f}, "
+                  f"capped at {cap:,}), prompt mean {prompt_mean:,}")
         return cls(prompt_mean=float(prompt_mean), output_mean=first, output_second_moment=second, sigma=sigma,
-                   lognormal_mean=float(output_mean), cap=int(cap), source=(f"configured: output mean {output_mean:,} and p99 {output_p99:,} (lognormal, "
-                                         f"sigma {sigma:.2f}, capped at {cap:,}), prompt mean {prompt_mean:,}"))
+                   lognormal_mean=float(output_mean), cap=int(cap), source=source)
 
     @classmethod
     def measured(cls, rows: int, prompt_tokens: int, output_tokens: int, output_tokens_sq: int) -> LengthMix:
         return cls(prompt_mean=prompt_tokens / rows, output_mean=output_tokens / rows,
                    output_second_moment=output_tokens_sq / rows,
-                   source=f"measured on the run's {rows:,} rows so far: output mean {output_tokens / rows:,.0f}, "
+                   source=f"measured on the run's first {rows:,} rows: output mean {output_tokens / rows:,.0f}, "
                           f"prompt mean {prompt_tokens / rows:,.0f}")
 
     @property
@@ -100,3 +101,42 @@ class LengthMix:
             raise ValueError("a measured mix has no distribution to draw from")
         mu = math.log(self.lognormal_mean) - self.sigma ** 2 / 2
         return max(1, min(self.cap, round(rng.lognormvariate(mu, self.sigma))))
+
+
+LENGTH_KEYS = ("rows", "prompt_tokens", "output_tokens", "output_tokens_sq")
+"""run.json's `generate.lengths`: sums over the completed rows (error rows left out) that a measured mix is made of."""
+
+
+def add_lengths(total: dict | None, more: dict) -> dict:
+    return {k: int((total or {}).get(k, 0)) + int(more.get(k, 0)) for k in LENGTH_KEYS}
+
+
+def row_lengths(prompt_tokens: list[int], output_tokens: list[int]) -> dict:
+    """The sums of one unit's rows, for `add_lengths`."""
+    return {"rows": len(output_tokens), "prompt_tokens": sum(prompt_tokens), "output_tokens": sum(output_tokens),
+            "output_tokens_sq": sum(n * n for n in output_tokens)}
+
+
+def sizing_tokens(gen, max_tokens: int | None, max_model_len: int, measured: dict | None = None) -> tuple[int, str]:
+    """The tokens `max_num_seqs: auto` sizes a sequence for, and where they came from: `gen.kv_tokens_per_seq` when
+    pinned; else the in-flight tokens of the run's measured mix (`measured`, run.json's `generate.lengths`, once it
+    holds MIN_MEASURED_ROWS rows); else of the configured one (`gen`: a GenerateConfig), capped at `max_tokens`
+    (sampling.max_tokens; unset: what max_model_len leaves after the mean prompt)."""
+    if gen.kv_tokens_per_seq:
+        return int(gen.kv_tokens_per_seq), f"generate.kv_tokens_per_seq {gen.kv_tokens_per_seq:,}, pinned"
+    if measured and int(measured.get("rows", 0)) >= MIN_MEASURED_ROWS and int(measured.get("output_tokens", 0)) > 0:
+        mix = LengthMix.measured(**{k: int(measured[k]) for k in LENGTH_KEYS})
+    else:
+        cap = int(max_tokens or max(1, int(max_model_len) - gen.prompt_tokens_mean))
+        mix = LengthMix.configured(gen.output_tokens_mean, gen.output_tokens_p99, cap, gen.prompt_tokens_mean)
+    tokens = max(1, math.ceil(mix.in_flight_tokens))
+    return tokens, f"{tokens:,} tokens a sequence in flight on average, {mix.source}"
+
+
+def run_sizing_tokens(config, measured: dict | None = None) -> tuple[int, str]:
+    """`sizing_tokens` for a RunConfig: its sampling's max_tokens (the model's generation_config under the config's)
+    and engine_kwargs.max_model_len (unset: 32,768)."""
+    from job.generate.engine_start import resolved_sampling  # here: it imports vLLM-side helpers
+
+    max_tokens = resolved_sampling(config.model, config.generate.sampling).get("max_tokens")
+    return sizing_tokens(config.generate, max_tokens, config.engine_kwargs.get("max_model_len") or 32768, measured)

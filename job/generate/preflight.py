@@ -31,9 +31,12 @@ def checked_config(config: RunConfig) -> RunConfig:
         print(note, flush=True)
         config = dataclasses.replace(config, engine_kwargs=engine_kwargs)
     if engine_sizing.is_auto(config.engine_kwargs):
-        print(f"engine: max_num_seqs auto: each engine sizes it from its device's memory for "
-              f"{config.generate.kv_tokens_per_seq:,} tokens a sequence (its line 'max_num_seqs auto = N' follows "
-              "when it starts)", flush=True)
+        gen = config.generate
+        what = (f"{gen.kv_tokens_per_seq:,} tokens a sequence (generate.kv_tokens_per_seq)" if gen.kv_tokens_per_seq
+                else "the run's length mix (measured once the run has rows, else generate.output_tokens_mean "
+                     f"{gen.output_tokens_mean:,} / p99 {gen.output_tokens_p99:,})")
+        print(f"engine: max_num_seqs auto: each engine sizes it from its device's memory for {what}; its line "
+              "'max_num_seqs auto = N' follows when it starts", flush=True)
     return config
 
 
@@ -92,6 +95,7 @@ class RunInput:
     chat_template: str | None
     canary_passed: bool
     total_rows: int
+    lengths: dict | None = None  # the run's measured length mix so far (run.json `generate.lengths`)
 
     def recorded(self) -> dict:
         """What run.json records of the input, to refuse other content on a resume."""
@@ -134,4 +138,5 @@ def read_input(config: RunConfig, record: RunRecord | None) -> RunInput:
     total_rows = sum(e - s for _, s, e in wanted_ranges(files, config.limit))
     return RunInput(uri=config.input, files=files, file_records=file_records, carried=carried, identity=ident,
                     sampling=sampling, chat_template=chat_template, total_rows=total_rows,
-                    canary_passed=bool(previous is not None and previous.canary_passed))
+                    canary_passed=bool(previous is not None and previous.canary_passed),
+                    lengths=previous.lengths if previous is not None and previous.lengths else None)

@@ -40,7 +40,7 @@ class GenerateStage(Stage):
         canary = self.canary and c.quality.canary_rows > 0 and not run.canary_passed
         self.summary = GenerateSummary(output=c.output, num_rows_total=run.total_rows, num_rows_done_before=done,
                                        already_complete=done == run.total_rows)
-        self.totals = UnitTotals(c, self.summary, canary, fence)
+        self.totals = UnitTotals(c, self.summary, canary, fence, run.lengths)
         return plan_units(run.files, self.coverage, c.limit, c.generate.rows_per_shard,
                           first_unit_rows=c.quality.canary_rows if canary and done == 0 else None)
 
@@ -65,7 +65,7 @@ class GenerateStage(Stage):
         if s.already_complete:
             return s, {}
         s.generation_seconds = self.totals.window()
-        return s, {"max_num_seqs": s.max_num_seqs, "max_num_seqs_auto": s.sizing,
+        return s, {"max_num_seqs": s.max_num_seqs, "max_num_seqs_auto": s.sizing, "lengths": self.totals.lengths,
                    "output_tokens_per_s": s.output_tokens_per_s, "num_engines": self.pool[0]}
 
     def report(self, summary: GenerateSummary, fence) -> None:
@@ -99,7 +99,7 @@ def engines(config: RunConfig, pool: tuple[int, int], run_input: preflight.RunIn
         CompletionGenerator,
         {"config": to_dict(config), "carried_schema_bytes": run_input.carried.serialize().to_pybytes(),
          "chat_template": run_input.chat_template, "job_token": uuid.uuid4().hex, "fence": fence,
-         "census": census.book},
+         "census": census.book, "lengths": run_input.lengths},
         min_actors=low, max_actors=high,
         # An engine keeps itself full from several units at once (its admission gate, see engine.py).
         units_per_actor=config.generate.units_in_flight_per_engine,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from job import errors, layout, lock, run_record, storage
 from job.config import RunConfig
-from job.generate import quality
+from job.generate import length_mix, quality
 from job.generate.completions import CACHE_REFRESH_S, remember_shards
 from job.generate.report import write_report
 from job.stage import StageSummary
@@ -45,8 +45,11 @@ class UnitTotals:
     """Each unit's summary as it arrives: the totals, a line per device type the first time its engines report, the
     canary's verdict once its rows are in (`run_canary`), and the trust cache refreshed every CACHE_REFRESH_S."""
 
-    def __init__(self, config: RunConfig, summary: GenerateSummary, run_canary: bool, fence: lock.Fence):
+    def __init__(self, config: RunConfig, summary: GenerateSummary, run_canary: bool, fence: lock.Fence,
+                 lengths: dict | None = None):
         self.config, self.summary, self.run_canary, self.fence = config, summary, run_canary, fence
+        # The run's measured length mix: what run.json held when the job started + this job's units (length_mix.py).
+        self.lengths = length_mix.add_lengths(lengths, {})
         self.canary_rows, self.window_start = 0, None
         self.cache_saved = time.monotonic()
         self.flags: dict[str, int] = {}
@@ -63,6 +66,8 @@ class UnitTotals:
         for k, v in s.items():
             if k.startswith("num_"):
                 self.flags[k] = self.flags.get(k, 0) + int(v)
+        self.lengths = length_mix.add_lengths(self.lengths,
+                                              {k: s.get(f"lengths_{k}", 0) for k in length_mix.LENGTH_KEYS})
         if s["device"] and summary.max_num_seqs.get(s["device"]) != s["max_num_seqs"]:  # auto: per GPU type
             summary.max_num_seqs[s["device"]] = s["max_num_seqs"]
             print(f"engines on {s['device']}: max_num_seqs {s['max_num_seqs']}"
@@ -74,6 +79,7 @@ class UnitTotals:
             self._canary(s["num_rows"])
         if time.monotonic() - self.cache_saved > CACHE_REFRESH_S:
             remember_shards(self.config, self.fence)
+            run_record.update(self.config, "generate", self.fence, lengths=self.lengths)
             self.cache_saved = time.monotonic()
 
     def _canary(self, rows: int) -> None:
@@ -85,7 +91,7 @@ class UnitTotals:
             raise CanaryFailed(f"{verdict}\nThe {self.summary.num_rows} rows written so far stay in "
                                f"{self.config.output} for inspection; after fixing, run into a new --output.")
         print(f"canary passed on the first {self.canary_rows} rows", flush=True)
-        run_record.update(self.config, "generate", self.fence, canary_passed=True)
+        run_record.update(self.config, "generate", self.fence, canary_passed=True, lengths=self.lengths)
 
     def window(self) -> float:
         return time.monotonic() - self.window_start if self.window_start else 0.0
