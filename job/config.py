@@ -178,19 +178,13 @@ class GenerateConfig:
     depends on the engine seed and on what it was batched with, so a regenerated shard has other (equally
     distributed) samples; the `seed` column is null. The CPU build crashes on per-request seeds: keep it off there."""
     output_tokens_mean: int = 2500
-    """The run's mean completion length in tokens, what `engine_kwargs.max_num_seqs: auto` sizes the engines for
-    (job/generate/length_mix.py): with `output_tokens_p99` a lognormal, capped at sampling.max_tokens. A sequence in
-    flight holds on average its prompt + E[L^2] / (2 E[L]) tokens of KV (3,260 + the prompt for 2,500 and 16,000),
-    not its final length. Once a run has measured lengths (the canary's rows on; run.json `generate.lengths`), the
-    engines a later job starts size for those instead."""
+    """The run's completion lengths, which `engine_kwargs.max_num_seqs: auto` sizes the engines for: mean, p99 (a
+    lognormal through both, capped at sampling.max_tokens) and mean prompt tokens (job/generate/length_mix.py). Once
+    the run has rows (run.json `generate.lengths`), a later job's engines size for the measured lengths instead;
+    `kv_tokens_per_seq` pins the tokens (prompt + completion) each sequence is sized for in place of either."""
     output_tokens_p99: int = 16000
-    """The tail of the completion lengths: 99 % are shorter. Thinking mode: ~16,000 with a mean of ~2,500."""
     prompt_tokens_mean: int = 256
-    """Mean prompt tokens (template included), for the same sizing, until measured."""
     kv_tokens_per_seq: int | None = None
-    """Pins the tokens (prompt + completion) `max_num_seqs: auto` sizes each sequence for, in place of the length mix
-    (null: the mix, measured or configured). Sizing every sequence for a worst case (8,192) left 0.73x of the
-    engine's throughput on an H100 at the thinking-mode mix (docs/BENCHMARKS.md)."""
     rows_per_shard: int = 256
     """Rows per work unit and per output shard. A crash redoes at most the units in flight."""
     units_in_flight_per_engine: int = 16
@@ -228,12 +222,6 @@ class GenerateConfig:
             raise ConfigError(f"config: generate.regenerate must be one of {', '.join(REGENERATE_MODES)}, "
                               f"got {self.regenerate!r}")
         check_sampling_variants(self.sampling_variants, self.regenerate)
-        from job.generate import length_mix  # here: job.generate's package imports this module
-
-        try:
-            length_mix.lognormal_sigma(self.output_tokens_mean, self.output_tokens_p99)
-        except ValueError as e:
-            raise ConfigError(f"config: generate.output_tokens_mean / output_tokens_p99: {e}") from None
 
 
 def check_sampling_variants(variants, regenerate: str) -> None:

@@ -64,3 +64,21 @@ def test_every_bench_parses_its_arguments():
             "print('\\n'.join(failed)); sys.exit(1 if failed else 0)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_the_concurrency_simulation_preempts_the_newest_and_loses_no_token():
+    """bench/sim_concurrency.py's scheduler, vLLM's rule: a pool of 8 blocks holds two of these sequences grown, so
+    the third (the newest) is preempted, recomputed later, and every sequence ends with exactly its tokens; the pool
+    is whole again at the end."""
+    sys.path.insert(0, str(BENCH))
+    from sim_concurrency import Engine, Request, StepCost
+
+    engine = Engine(num_blocks=8, block=100, state_blocks=1, max_num_seqs=3, cost=StepCost(0.03, 0.0003, 0.0, 1e-4),
+                    spec_tokens=0, budget=1_000)
+    requests = [Request(prompt=50, target=250) for _ in range(3)]
+    engine.waiting.extend(requests)
+    while engine.running or engine.waiting:
+        engine.step()
+    assert [r.output for r in requests] == [250, 250, 250] and engine.generated == 750
+    assert requests[0].preempted == 0 and requests[2].preempted >= 1 and engine.preemptions >= 1
+    assert engine.free == 8 and engine.clock > 0

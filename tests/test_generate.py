@@ -71,7 +71,7 @@ def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid
     if not mtp:
         assert run["generate"]["canary_passed"] is True, "the trained hybrid answers in the thinking format"
         return
-    # `auto` on the CPU build: VLLM_CPU_KVCACHE_SPACE 2 GiB, 1,024-token sequences (max_model_len), 3 state slots
+    # `auto` on the CPU build: VLLM_CPU_KVCACHE_SPACE 2 GiB, sequences of the length mix (capped at 128), 3 state slots
     # (MTP's 2 drafts + 1). The sums lay the cache out as vLLM does; the pool vLLM allocated (its block count) must
     # agree: the chosen value fits it (every sequence that fits: no rounding since issue 49).
     sizing = run["generate"]["max_num_seqs_auto"]["cpu"]
@@ -79,6 +79,9 @@ def test_hybrid_end_to_end(tmp_path, capsys, make_config, tokenizer, tiny_hybrid
     assert run["generate"]["max_num_seqs"] == {"cpu": chosen}
     assert chosen <= holds < chosen + 8, sizing["check"]
     assert "auto, checked: vLLM's pool is " in sizing["check"], sizing["check"]
+    # Sized for the configured length mix (no rows measured before this job), capped at this run's max_tokens.
+    assert "sized for" in sizing["check"] and "configured: output mean 2,500" in sizing["check"], sizing["check"]
+    assert "capped at 128" in sizing["check"], sizing["check"]
 
 
 @pytest.mark.slow  # the hybrid model

@@ -65,11 +65,13 @@ def test_lengths_add_up_across_jobs():
 
 
 def test_a_tail_no_lognormal_has_is_refused_naming_the_keys():
+    """Stage 1's preflight refuses it before any work (`check_config`); a pinned kv_tokens_per_seq needs no mix."""
     assert lognormal_sigma(2_500, 2_500) == 0.0
     with pytest.raises(ConfigError, match="output_tokens_p99.*p99 1,000 is below the mean 2,500"):
-        load_config(DEMO_CONFIG, **{"generate.output_tokens_p99": 1_000})
+        length_mix.check_config(GenerateConfig(output_tokens_p99=1_000))
     with pytest.raises(ConfigError, match="at most 15.0x its mean"):
-        load_config(DEMO_CONFIG, **{"generate.output_tokens_p99": 40_000})
+        length_mix.check_config(GenerateConfig(output_tokens_p99=40_000))
+    length_mix.check_config(GenerateConfig(output_tokens_p99=40_000, kv_tokens_per_seq=8_192))
     with pytest.raises(ConfigError, match="generate.output_tokens_mean must be >= 1"):
         load_config(DEMO_CONFIG, **{"generate.output_tokens_mean": 0})
 

@@ -117,6 +117,18 @@ def row_lengths(prompt_tokens: list[int], output_tokens: list[int]) -> dict:
             "output_tokens_sq": sum(n * n for n in output_tokens)}
 
 
+def check_config(gen) -> None:
+    """The configured mix refused before any work when no lognormal has it, naming the keys (stage 1's preflight)."""
+    from job.config import ConfigError
+
+    if gen.kv_tokens_per_seq:
+        return
+    try:
+        lognormal_sigma(gen.output_tokens_mean, gen.output_tokens_p99)
+    except ValueError as e:
+        raise ConfigError(f"config: generate.output_tokens_mean / output_tokens_p99: {e}") from None
+
+
 def sizing_tokens(gen, max_tokens: int | None, max_model_len: int, measured: dict | None = None) -> tuple[int, str]:
     """The tokens `max_num_seqs: auto` sizes a sequence for, and where they came from: `gen.kv_tokens_per_seq` when
     pinned; else the in-flight tokens of the run's measured mix (`measured`, run.json's `generate.lengths`, once it

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from job import runs, storage
 from job.config import ConfigError, RunConfig
-from job.generate import engine_sizing, inputs
+from job.generate import engine_sizing, inputs, length_mix
 from job.generate.engine_start import resolved_sampling, text_only_engine_kwargs
 from job.generate.units import wanted_ranges
 from job.run_record import RunRecord
@@ -32,6 +32,7 @@ def checked_config(config: RunConfig) -> RunConfig:
         config = dataclasses.replace(config, engine_kwargs=engine_kwargs)
     if engine_sizing.is_auto(config.engine_kwargs):
         gen = config.generate
+        length_mix.check_config(gen)
         what = (f"{gen.kv_tokens_per_seq:,} tokens a sequence (generate.kv_tokens_per_seq)" if gen.kv_tokens_per_seq
                 else "the run's length mix (measured once the run has rows, else generate.output_tokens_mean "
                      f"{gen.output_tokens_mean:,} / p99 {gen.output_tokens_p99:,})")
