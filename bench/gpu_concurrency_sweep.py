@@ -98,7 +98,8 @@ def token_prompts(config_path: str, model: str, num_prompts: int, workdir: str) 
 
 
 class Steps:
-    """vLLM's stats, one row a step: (time, running, waiting, KV use, generation tokens, preempted)."""
+    """vLLM's stats, one row a step: (time, running, waiting, KV use, generation tokens, prompt tokens, preempted).
+    vLLM's stats trail the step they count by one (its scheduling runs a step ahead)."""
     rows: list[tuple] = []
 
     @classmethod
@@ -112,10 +113,10 @@ class Steps:
             def record(self, scheduler_stats, iteration_stats, *args, **kwargs):
                 if scheduler_stats is None:
                     return
+                it = iteration_stats
                 cls.rows.append((time.monotonic(), scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                                 scheduler_stats.kv_cache_usage,
-                                 iteration_stats.num_generation_tokens if iteration_stats else 0,
-                                 iteration_stats.num_preempted_reqs if iteration_stats else 0))
+                                 scheduler_stats.kv_cache_usage, it.num_generation_tokens if it else 0,
+                                 it.num_prompt_tokens if it else 0, it.num_preempted_reqs if it else 0))
 
             def log_engine_initialized(self):
                 pass
@@ -152,7 +153,7 @@ def measure_level(engine, scheduler, n: int, prompts, params, next_id: list[int]
             "step_ms": 1000 * seconds / max(1, len(window) - 1),
             "mean_running": sum(r[1] for r in window) / len(window), "max_running": max(r[1] for r in window),
             "min_waiting": min(r[2] for r in window), "max_kv_use": max(r[3] for r in window),
-            "mean_kv_use": sum(r[3] for r in window) / len(window), "preempted": sum(r[5] for r in window)}
+            "mean_kv_use": sum(r[3] for r in window) / len(window), "preempted": sum(r[6] for r in window)}
 
 
 def main() -> None:

@@ -8,8 +8,9 @@ one engine step takes against the number of sequences it decodes and their conte
 
 Grid `P:n1,n2;...`: for each prompt length P and count n, n requests of P random prompt tokens with `ignore_eos` and
 room to decode, steps run until all n decode, then --measure-s seconds of decode steps; then they are aborted. Every
-step's row is kept (time, running, waiting, KV use, generation tokens, prompt tokens, preempted) with its (P, n), so
-the fit (decode time against sequences and context; prefill time per token) is made offline from the same rows.
+step's row is kept (gpu_concurrency_sweep.Steps: time, running, waiting, KV use, generation tokens, prompt tokens,
+preempted) with its (P, n), so the fit (decode time against sequences and context; prefill time per token) is made
+offline from the same rows.
 
 Mix `MEAN:P99:CAP`: output lengths lognormal through MEAN and P99, capped at CAP (job/generate/length_mix.py), every
 request `ignore_eos` with its drawn max_tokens and a prompt of --mix-prompt random tokens; per level the engine starts
@@ -38,32 +39,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 
-class Steps:
-    """vLLM's stats, one row a step: (time, running, waiting, KV use, generation tokens, prompt tokens, preempted)."""
-    rows: list[tuple] = []
-
-    @classmethod
-    def factory(cls):
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        class Logger(StatLoggerBase):
-            def __init__(self, vllm_config, engine_index: int = 0):
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, *args, **kwargs):
-                if scheduler_stats is None:
-                    return
-                it = iteration_stats
-                cls.rows.append((time.monotonic(), scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                                 scheduler_stats.kv_cache_usage, it.num_generation_tokens if it else 0,
-                                 it.num_prompt_tokens if it else 0, it.num_preempted_reqs if it else 0))
-
-            def log_engine_initialized(self):
-                pass
-
-        return Logger
-
-
 def parse_grid(spec: str) -> list[tuple[int, int]]:
     out = []
     for part in filter(None, spec.split(";")):
@@ -84,7 +59,7 @@ def abort_all(engine, ids: list[str]) -> None:
 
 def grid_point(engine, scheduler, params_for, prompt: int, n: int, rng, vocab: int, measure_s: float,
                tag: int) -> dict:
-    from gpu_concurrency_sweep import set_limit
+    from gpu_concurrency_sweep import Steps, set_limit
     from vllm.inputs import TokensPrompt
 
     set_limit(scheduler, n)
@@ -113,7 +88,7 @@ def grid_point(engine, scheduler, params_for, prompt: int, n: int, rng, vocab: i
 
 def mix_level(engine, scheduler, params_for, n: int, lengths, prompt: int, rng, vocab: int, warm_s: float,
               measure_s: float, tag: int) -> dict:
-    from gpu_concurrency_sweep import set_limit
+    from gpu_concurrency_sweep import Steps, set_limit
     from vllm.inputs import TokensPrompt
 
     set_limit(scheduler, n)
@@ -154,6 +129,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    from gpu_concurrency_sweep import Steps
     from vllm import EngineArgs, SamplingParams
     from vllm.v1.engine.llm_engine import LLMEngine
 
