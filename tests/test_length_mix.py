@@ -89,3 +89,17 @@ def test_the_run_keeps_the_lengths_of_its_rows_for_the_next_engines(shared_run):
     assert record.lengths["rows"] == len(ok) > 0
     tokens, why = sizing_tokens(GenerateConfig(), 512, 1_024, record.lengths | {"rows": 64})
     assert "measured on the run's first 64 rows" in why and tokens < 512 + 100
+
+
+def test_the_canary_says_what_its_rows_hold_against_what_the_engines_were_sized_for(tiny_model_dir):
+    config = load_config(DEMO_CONFIG, model=tiny_model_dir, **{"engine_kwargs.max_num_seqs": "auto",
+                                                                "generate.sampling": {"max_tokens": 4_096}})
+    rows = length_mix.row_lengths([100] * 64, [2_000] * 64)
+    line = length_mix.canary_line(config, rows)
+    assert line.startswith("length mix: the canary's 64 rows hold 1,100 tokens a sequence in flight on average; "
+                           "the engines were sized for ") and "A later job of this run (a resume) sizes for" in line
+    assert length_mix.canary_line(config, length_mix.row_lengths([100] * 8, [2_000] * 8)) is None  # too few rows
+    pinned = load_config(DEMO_CONFIG, model=tiny_model_dir, **{"engine_kwargs.max_num_seqs": "auto",
+                                                                "generate.kv_tokens_per_seq": 2_048})
+    assert length_mix.canary_line(pinned, rows) is None
+    assert length_mix.canary_line(load_config(DEMO_CONFIG, model=tiny_model_dir), rows) is None  # max_num_seqs fixed

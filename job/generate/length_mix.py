@@ -152,3 +152,21 @@ def run_sizing_tokens(config, measured: dict | None = None) -> tuple[int, str]:
 
     max_tokens = resolved_sampling(config.model, config.generate.sampling).get("max_tokens")
     return sizing_tokens(config.generate, max_tokens, config.engine_kwargs.get("max_model_len") or 32768, measured)
+
+
+def canary_line(config, lengths: dict, sized_from: dict | None = None) -> str | None:
+    """What the canary's rows say of the mix the engines were sized for (`sized_from`: the lengths they were given).
+    None when `auto` sized nothing, a number is pinned, or the rows are too few. Engines are not restarted for it
+    mid-job (a new max_num_seqs compiles again: ~150 s on an H100); a later job of the run sizes for the measured
+    mix."""
+    from job.generate import engine_sizing  # here: its vLLM imports are lazy, but keep this module light
+
+    if not engine_sizing.is_auto(config.engine_kwargs) or config.generate.kv_tokens_per_seq:
+        return None
+    if int(lengths.get("rows", 0)) < MIN_MEASURED_ROWS or not int(lengths.get("output_tokens", 0)):
+        return None
+    measured = math.ceil(LengthMix.measured(**{k: int(lengths[k]) for k in LENGTH_KEYS}).in_flight_tokens)
+    sized, _ = run_sizing_tokens(config, sized_from)
+    return (f"length mix: the canary's {int(lengths['rows']):,} rows hold {measured:,} tokens a sequence in flight on "
+            f"average; the engines were sized for {sized:,} (generate.output_tokens_mean / p99). A later job of this "
+            "run (a resume) sizes for the measured mix")

@@ -49,7 +49,7 @@ class UnitTotals:
                  lengths: dict | None = None):
         self.config, self.summary, self.run_canary, self.fence = config, summary, run_canary, fence
         # The run's measured length mix: what run.json held when the job started + this job's units (length_mix.py).
-        self.lengths = length_mix.add_lengths(lengths, {})
+        self.lengths = self.lengths_at_start = length_mix.add_lengths(lengths, {})
         self.canary_rows, self.window_start = 0, None
         self.cache_saved = time.monotonic()
         self.flags: dict[str, int] = {}
@@ -91,6 +91,9 @@ class UnitTotals:
             raise CanaryFailed(f"{verdict}\nThe {self.summary.num_rows} rows written so far stay in "
                                f"{self.config.output} for inspection; after fixing, run into a new --output.")
         print(f"canary passed on the first {self.canary_rows} rows", flush=True)
+        line = length_mix.canary_line(self.config, self.lengths, self.lengths_at_start)
+        if line:
+            print(line, flush=True)
         run_record.update(self.config, "generate", self.fence, canary_passed=True, lengths=self.lengths)
 
     def window(self) -> float:
