@@ -6,10 +6,11 @@ point of its life, so on average a sequence in flight holds
 
     in-flight tokens = mean prompt + E[L^2] / (2 E[L])       (L: output tokens, capped at sampling.max_tokens)
 
-For thinking mode (mean 2,500, p99 16,000: a lognormal with sigma 1.0, capped at 32,768) that is the prompt + 3,380
-tokens, where sizing each sequence for a fixed 8,192 sized it for about 2.4x that: 17 sequences on an H100 where 24
-fit on average. The total in flight moves around that average; when it outgrows the pool vLLM preempts the newest
-sequence and recomputes it later (bench/sim_concurrency.py measures what that costs at each max_num_seqs).
+For thinking mode (mean 2,500, p99 16,000: a lognormal with sigma 1.02, capped at 32,768) that is the prompt + 3,263
+tokens (3,520 with 256-token prompts), where sizing each sequence for a fixed 8,192 sized it for about 2.3x that: 17
+sequences on an H100 where 24 fit on average. The total in flight moves around that average; when it outgrows the
+pool vLLM preempts the newest sequence and recomputes it later (bench/sim_concurrency.py measures what that costs at
+each max_num_seqs).
 
 Where the mix comes from, best first:
 - measured: the run's own completions so far (prompt and output tokens of every row of the units done, counted in
@@ -104,7 +105,8 @@ class LengthMix:
 
 
 LENGTH_KEYS = ("rows", "prompt_tokens", "output_tokens", "output_tokens_sq")
-"""run.json's `generate.lengths`: sums over the completed rows (error rows left out) that a measured mix is made of."""
+"""run.json's `generate.lengths`: sums over the completed rows (error rows left out) that a measured mix is made of. A
+sample of the mix, not a ledger: a unit made again (a damaged shard) counts again."""
 
 
 def add_lengths(total: dict | None, more: dict) -> dict:
