@@ -14,7 +14,7 @@ each max_num_seqs).
 
 Where the mix comes from, best first:
 - measured: the run's own completions so far (prompt and output tokens of every row of the units done, counted in
-  stage 1's totals and kept in run.json from the canary on): the next engine start sizes for them;
+  stage 1's totals and kept in run.json from the canary on): a later job's engines size for them;
 - configured: `generate.output_tokens_mean` and `generate.output_tokens_p99` (a lognormal through both, capped at
   sampling.max_tokens) and `generate.prompt_tokens_mean`.
 `generate.kv_tokens_per_seq` set pins a fixed number of tokens a sequence instead (the old rule).
