@@ -5,18 +5,20 @@
 # shape. carry: .cache/dummy-hybrid-27b (config and tokenizer only: `python bench/dummy_model.py`). Logs, JSON to $OUT.
 #   bash bench/gpu_step_times.sh grid     # first call on a machine: the cold engine start (~5 min) + the step grid
 #   bash bench/gpu_step_times.sh mix      # next call, warm compile cache: the short mix at 17, 24, 30, 34 sequences
+# MAXSEQS (default 34: the most an H100's pool holds) is the engine's max_num_seqs; the same value in both calls keeps
+# the compile cache warm. GRID, MIX, LEVELS, WARM, MEASURE and CT override the rest (docs/BENCHMARKS.md).
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CACHE_ROOT=/root/vllm-cache VLLM_LOGGING_LEVEL=INFO
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 case "${1:-grid}" in
 grid)
-  timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs 34 \
+  timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs ${MAXSEQS:-34} \
     --grid "${GRID:-256:8,16,24,32;4096:8,16,22;12288:6,12}" --measure-s ${MEASURE:-5} --out $OUT/steps.json 2>&1 \
     | tee $OUT/steps.log | grep -v "^INFO\|^(\|^\[\|Warning\|warn" | tail -30 | cut -c1-400
   ;;
 mix)
-  timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs 34 --grid "" --mix ${MIX:-800:6000:8192} \
+  timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs ${MAXSEQS:-34} --grid "" --mix ${MIX:-800:6000:8192} \
     --mix-levels ${LEVELS:-17,24,30,34} --mix-prompt 256 --mix-warm-s ${WARM:-30} --mix-measure-s ${MEASURE:-60} \
     --out $OUT/mix.json 2>&1 | tee $OUT/mix.log | grep -v "^INFO\|^(\|^\[\|Warning\|warn" | tail -30 | cut -c1-400
   ;;
