@@ -19,7 +19,8 @@ grid)
   ;;
 mix)
   timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs ${MAXSEQS:-34} --grid "" \
-    --mix ${MIX:-800:6000:8192} --mix-levels ${LEVELS:-17,24,30,34} --mix-prompt 256 --mix-warm-s ${WARM:-30} --mix-measure-s ${MEASURE:-60} \
+    --mix ${MIX:-800:6000:8192} --mix-levels ${LEVELS:-17,24,30,34} --mix-prompt 256 --mix-warm-s ${WARM:-30} \
+    --mix-measure-s ${MEASURE:-60} \
     --out $OUT/mix.json 2>&1 | tee $OUT/mix.log | grep -v "^INFO\|^(\|^\[\|Warning\|warn" | tail -30 | cut -c1-400
   ;;
 esac
