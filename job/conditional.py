@@ -25,11 +25,16 @@ class Conflict(Exception):
 class S3Object:
     def __init__(self, uri: str, config: StorageConfig):
         import boto3  # heavy: imported on use
+        from botocore.config import Config  # heavy: imported on use
 
         parsed = urlparse(uri)
         self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
-        self.client = boto3.client("s3", endpoint_url=s3_endpoint(config),
-                                   region_name=s3_region(config))
+        # As many attempts for throttling (503 SlowDown), 5xx and dropped connections as the data path gets
+        # (storage.num_retries): botocore's default of 3 failed run.json's update at the canary once in a CI run,
+        # through the test proxy that faults ~17 % of requests while the engines write.
+        self.client = boto3.client("s3", endpoint_url=s3_endpoint(config), region_name=s3_region(config),
+                                   config=Config(retries={"max_attempts": max(1, config.num_retries),
+                                                          "mode": "standard"}))
 
     def _call(self, method: str, **kwargs):
         from botocore.exceptions import ClientError  # heavy: imported on use
