@@ -230,13 +230,13 @@ def run_protocol(engine: Engine, lengths, prompt: int, in_engine: int, warm_s: f
     return {"tok_per_s": tokens / measure_s, "preempted": preempted, "mean_running": running_sum / max(1, steps)}
 
 
-def block_layout(model: str, engine_kwargs: dict) -> tuple[int, int, int]:
-    """(state blocks a sequence, tokens a block, bytes a block) as job/generate/engine_sizing.py lays out the cache."""
+def block_layout(model: str, engine_kwargs: dict) -> tuple[int, int]:
+    """(state blocks a sequence, tokens a block) as job/generate/engine_sizing.py lays out the cache."""
     from job import target
     from job.generate import engine_sizing as es
 
     cost = es.sequence_cost(target.config_json(model), engine_kwargs, 1)
-    return cost.state_groups * cost.state_slots, cost.block_size, cost.block_bytes
+    return cost.state_groups * cost.state_slots, cost.block_size
 
 
 def main() -> None:
@@ -269,7 +269,7 @@ def main() -> None:
               f"admissions in {fit_from})", flush=True)
     config = load_config(args.config, model=args.model, input="unused", output="/tmp/sim_concurrency")
     ek = dict(config.engine_kwargs)
-    state_blocks, block, block_bytes = block_layout(args.model, ek)
+    state_blocks, block = block_layout(args.model, ek)
     spec = es.mtp_tokens(ek)
     budget = int(ek.get("max_num_batched_tokens") or 8192)
     result = {"device": grid["device"], "step_cost": cost.__dict__, "fit": residuals, "check": [], "levels": [],
