@@ -70,21 +70,27 @@ def _sampling(config):
     return s
 
 
+def sized_engine_kwargs(config) -> dict:
+    """The config's engine_kwargs with `max_num_seqs: auto` replaced by the value stage 1's engine works out on this
+    device (the same concurrency, and the same compile cache key)."""
+    from job.generate import engine_sizing, length_mix
+
+    kwargs = dict(config.engine_kwargs)
+    if engine_sizing.is_auto(kwargs):
+        tokens, source = length_mix.run_sizing_tokens(config)
+        sizing = engine_sizing.auto_max_num_seqs(config.model, kwargs, tokens, source=source)
+        kwargs["max_num_seqs"] = sizing.max_num_seqs
+        print(sizing.why, flush=True)
+    return kwargs
+
+
 def run_plain(config) -> dict:
     t0 = time.monotonic()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from job.generate import engine_sizing, length_mix
-
     prompts, _ = _token_prompts(config)
-    kwargs = dict(config.engine_kwargs)
-    if engine_sizing.is_auto(kwargs):  # the value stage 1's engine works out on the same device: same concurrency
-        tokens, source = length_mix.run_sizing_tokens(config)
-        sizing = engine_sizing.auto_max_num_seqs(config.model, kwargs, tokens, source=source)
-        kwargs["max_num_seqs"] = sizing.max_num_seqs
-        print(sizing.why, flush=True)
-    llm = LLM(model=config.model, **kwargs)
+    llm = LLM(model=config.model, **sized_engine_kwargs(config))
     t1 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**_sampling(config)),
                         use_tqdm=False)

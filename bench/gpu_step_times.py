@@ -118,7 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "bench/gpu_stage1_production.yaml"))
     parser.add_argument("--model", default=str(REPO / ".cache/dummy-hybrid-27b"))
-    parser.add_argument("--max-num-seqs", type=int, default=34)
+    parser.add_argument("--max-num-seqs", default="34", help="a number, or 'auto': the value stage 1's engine works "
+                        "out on this device at the config's mix (then stage 1's engines share this compile cache)")
     parser.add_argument("--grid", default="256:8,16,24,32;4096:8,16,22;12288:6,12")
     parser.add_argument("--measure-s", type=float, default=6)
     parser.add_argument("--mix", default="", help="MEAN:P99:CAP output lengths (lognormal), '' = none")
@@ -137,7 +138,12 @@ def main() -> None:
     from job.generate import engine_sizing as es
 
     config = load_config(args.config, model=args.model, input="unused", output="/tmp/gpu_step_times")
-    ek = {**config.engine_kwargs, "max_num_seqs": args.max_num_seqs}
+    if args.max_num_seqs == "auto":
+        from bench_generate import sized_engine_kwargs
+
+        ek = sized_engine_kwargs(config)
+    else:
+        ek = {**config.engine_kwargs, "max_num_seqs": int(args.max_num_seqs)}
     started = time.monotonic()
     engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, **ek), stat_loggers=[Steps.factory()])
     cache = engine.vllm_config.cache_config
