@@ -44,6 +44,19 @@ SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, n
                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
+def run_samples(run: str) -> list:
+    """Every kept sample of a run's completion shards, in stage 2's rules (the config's defaults: max_length 4096,
+    flagged rows kept), shard by shard as its units are."""
+    from job import layout, scan, storage
+    from job.hidden_states.samples import samples_from_completions
+
+    samples = []
+    for shard in scan.judge_completion_shards(run).trusted:
+        samples += samples_from_completions(storage.read_shard(shard.uri), max_length=4096, keep_flagged=True)[0]
+    assert samples, f"{run}: no completion shard under {layout.COMPLETIONS_DIR}"
+    return samples
+
+
 def profile(ex, samples, path):
     """Which kernels take the GPU's time: torch.profiler over the first 3 parts (24 samples), CUDA time per kernel
     name."""
@@ -78,6 +91,12 @@ def main():
     parser.add_argument("--no-plain", action="store_true", help="skip the plain 64-layer forward at the end")
     parser.add_argument("--profile", help="write the top CUDA kernels of 3 parts of the last layout here")
     parser.add_argument("--smoke", action="store_true", help="a small shape on CPU, few samples: the script runs")
+    parser.add_argument("--model", help="a checkpoint directory to load (bench/reduced_checkpoint.py) instead of "
+                        "building the 27B shape in process")
+    parser.add_argument("--run", help="a run directory: its completion shards' samples (what stage 2 extracts), "
+                        "instead of drawn ones")
+    parser.add_argument("--layers", help="the layers captured, comma-separated (default: DFlash's on the 27B)")
+    parser.add_argument("--rows-per-part", type=int, default=8, help="samples per part (hidden_states.rows_per_shard)")
     args = parser.parse_args()
     for layout in args.layouts:  # fail here, not after minutes on the GPU
         attention, gdn, *extra = layout.split(":") + [""]
@@ -85,17 +104,26 @@ def main():
         assert all(e in ("", "fp8", "fuse-compile", "fuse-fla", "fuse-off", "fuse-reference") for e in extra), layout
     device = "cpu" if args.smoke else "cuda"
     layer_ids = [1, 3, 5, 6] if args.smoke else [1, 16, 31, 46, 61]
+    if args.layers:
+        layer_ids = [int(x) for x in args.layers.split(",")]
     started = time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**(SMOKE if args.smoke else SHAPE_27B),
-                                                     attn_implementation="sdpa")).eval()
-    torch.set_default_dtype(torch.float32)
+    if args.model:  # as stage 2's worker loads it
+        from job.hidden_states.transformers_backend import load_model
+
+        model = load_model(args.model, device=device)
+    else:
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**(SMOKE if args.smoke else SHAPE_27B),
+                                                         attn_implementation="sdpa")).eval()
+        torch.set_default_dtype(torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     results = {"init_s": time.perf_counter() - started,
                "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                "torch": torch.__version__}
-    if args.smoke:
+    if args.run:
+        samples = run_samples(args.run)
+    elif args.smoke:
         samples = make_samples(6, SMOKE["vocab_size"], seed=0, min_len=100, max_len=300)
     else:
         samples = make_samples(args.num_samples, 4096, seed=0, min_len=256, max_len=4096)
@@ -114,7 +142,7 @@ def main():
             sync()
             t = time.perf_counter()
             split_s, nbytes = 0.0, 0
-            for part in ex.run(list(enumerate(plan_parts(samples, 8)))):
+            for part in ex.run(list(enumerate(plan_parts(samples, args.rows_per_part)))):
                 nbytes += part.features.nbytes  # host bytes the pass copied into parts (pool buffers, exact size)
                 if ex.fp8_records:  # the writer thread's share: FP8 records -> the shard's two columns
                     s0 = time.perf_counter()

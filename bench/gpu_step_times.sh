@@ -4,6 +4,7 @@
 # how), production engine settings (bench/gpu_stage1_production.yaml: MTP on) on bench/dummy_model.py's 27B hybrid
 # shape. carry: .cache/dummy-hybrid-27b (config and tokenizer only: `python bench/dummy_model.py`). Logs, JSON to $OUT.
 #   bash bench/gpu_step_times.sh grid     # first call on a machine: the cold engine start (~5 min) + the step grid
+#                                         (MIX set: then that mix at LEVELS from the same engine, in steps.json)
 #   bash bench/gpu_step_times.sh mix      # next call, warm compile cache: the short mix at 17, 24, 30, 34 sequences
 # MAXSEQS (default 34: the most an H100's pool holds) is the engine's max_num_seqs, or `auto` (stage 1's value on this
 # device: its engines then start warm from the same compile cache); the same value in every call keeps the cache
@@ -16,7 +17,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case "${1:-grid}" in
 grid)
   timeout ${CT:-570} python3 bench/gpu_step_times.py --max-num-seqs ${MAXSEQS:-34} \
-    --grid "${GRID:-256:8,16,24,32;4096:8,16,22;12288:6,12}" --measure-s ${MEASURE:-5} --out $OUT/steps.json 2>&1 \
+    --grid "${GRID:-256:8,16,24,32;4096:8,16,22;12288:6,12}" --measure-s ${MEASURE:-5} --mix "${MIX:-}" \
+    --mix-levels ${LEVELS:-17} --mix-prompt 256 --mix-warm-s ${WARM:-30} --mix-measure-s ${MIXMEASURE:-60} \
+    --out $OUT/steps.json 2>&1 \
     | tee $OUT/steps.log | grep -v "^INFO\|^(\|^\[\|Warning\|warn" | tail -30 | cut -c1-400
   ;;
 mix)

@@ -1,0 +1,49 @@
+"""What a stage-2 job through the CLI measured, from what it left in the run (bench/gpu_stage2_cli.sh):
+
+    python3 bench/stage2_cli_figures.py RUN --started EPOCH_SECONDS --out figures.json
+
+- `report_tokens_per_s`: the job's report (reports/hidden_states.json): its tokens over the time from its first
+  unit's dispatch to its last summary, the extractor actor's start (loading the model, the self-check, the first
+  batches' compiles) included;
+- `steady_tokens_per_s`: the units after the first, each timed by its worker from reading its completion shard to
+  its last part committed (the markers' `seconds`), one worker: what a long run sustains;
+- `first_part_s`: from `--started` (the command's start) to the first part committed (its file's mtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+
+def figures(run: str, started: float) -> dict:
+    report = json.load(open(os.path.join(run, "reports", "hidden_states.json")))
+    markers = [json.load(open(p)) for p in glob.glob(os.path.join(run, "hidden_states", "_done", "*.json"))]
+    parts = glob.glob(os.path.join(run, "hidden_states", "*.arrow"))
+    later = [m for m in markers if not m.get("self_check")]  # a worker's first unit carries its self-check
+    tokens, seconds = sum(m["num_tokens_extracted"] for m in later), sum(m["seconds"] for m in later)
+    return {"report_tokens_per_s": report["tokens_per_s"], "report_extract_s": report["extract_seconds"],
+            "report_seconds": report["seconds"], "num_tokens": report["num_tokens_extracted"],
+            "units": len(markers), "parts": len(parts), "steady_units": len(later),
+            "steady_tokens_per_s": tokens / seconds if seconds else 0.0,
+            "first_part_s": min(os.path.getmtime(p) for p in parts) - started if parts else None,
+            "self_checks": report["self_checks"], "padding_waste": report["padding_waste"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run")
+    parser.add_argument("--started", type=float, required=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    result = figures(args.run, args.started)
+    print(json.dumps(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
