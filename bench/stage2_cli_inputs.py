@@ -26,8 +26,9 @@ sys.path.insert(0, REPO)
 MEDIAN, LOW, HIGH = 1400, 256, 3400
 
 
-def write_prompts(out_dir: str, num_prompts: int, tokenizer_dir: str, seed: int = 0, per_shard: int = 256) -> int:
-    """Parquet shards of `id`, `prompt`; returns the prompt tokens drawn (the template adds a few)."""
+def write_prompts(out_dir: str, num_prompts: int, tokenizer_dir: str, seed: int = 0) -> int:
+    """One parquet file of `id`, `prompt` (so every completion shard but the last has 224 rows); returns the prompt
+    tokens drawn (the template adds a few)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
@@ -42,8 +43,7 @@ def write_prompts(out_dir: str, num_prompts: int, tokenizer_dir: str, seed: int 
         rows.append({"id": f"long-{i:05d}", "prompt": tok.decode([rng.choice(ids) for _ in range(n)])})
         drawn += n
     os.makedirs(out_dir, exist_ok=True)
-    for s in range(0, num_prompts, per_shard):
-        pq.write_table(pa.Table.from_pylist(rows[s:s + per_shard]), os.path.join(out_dir, f"prompts-{s:05d}.parquet"))
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(out_dir, "prompts-00000.parquet"))
     return drawn
 
 

@@ -160,6 +160,11 @@ class Fence:
         """`data` at `uri`, whole or not at all (storage.write_bytes_atomic), committed under the fence."""
         storage.write_bytes_atomic(uri, data, self.storage_config, self.guard)
 
+    def write_ipc(self, uri: str, table) -> int:
+        """`table` as an uncompressed Arrow IPC file, streamed (storage.write_ipc_atomic), committed under the fence;
+        returns its size."""
+        return storage.write_ipc_atomic(uri, table, self.storage_config, self.guard)
+
     def write_json(self, uri: str, obj) -> None:
         storage.write_json(uri, obj, self.storage_config, self.guard)
 

@@ -332,6 +332,49 @@ def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = No
     with_retries(_write, what=f"write {uri}", storage=storage)
 
 
+def write_ipc_atomic(uri: str, table: pa.Table, storage: StorageConfig | None = None, guard=None) -> int:
+    """`table` as an uncompressed Arrow IPC file at `uri`, whole or not at all, as write_bytes_atomic commits; returns
+    its size. Streamed from the table's own buffers into the file (locally) or the upload (S3): no file-sized buffer
+    in between. Stage 2's 146 MB parts went at 0.37 GB/s through a fresh buffer a part (host memory is first-touched
+    at ~0.3 GB/s on small VMs) and 3.3 GB/s streamed (tmpfs, 2-core VM); on an H100 the writer thread held stage 2
+    at 0.29x of its GPU rate. The bytes are the same as table_to_ipc's (tests/test_storage.py)."""
+    assert uri.endswith(SHARD_SUFFIX), uri
+    fs, path = resolve(uri, storage)
+    guard = guard or contextlib.nullcontext
+
+    def _write() -> int:
+        if isinstance(fs, pafs.LocalFileSystem):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            head, tail = os.path.split(path)
+            tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                with open(tmp, "wb") as f:
+                    with ipc.new_file(f, table.schema) as w:
+                        w.write_table(table)
+                    size = f.tell()
+                    f.flush()
+                    os.fsync(f.fileno())
+                with guard():
+                    os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):  # a refused commit leaves nothing behind
+                    os.remove(tmp)
+            return size
+        with guard():  # as write_bytes_atomic: the upload commits on close, a short object is deleted and retried
+            with fs.open_output_stream(path) as out:
+                with ipc.new_file(out, table.schema) as w:
+                    w.write_table(table)
+                size = out.tell()
+        stored = fs.get_file_info(path).size
+        if stored != size:
+            fs.delete_file(path)
+            raise OSError(f"AWS Error NETWORK_CONNECTION: {uri} was committed with {stored} of {size} bytes "
+                          "(deleted, retrying)")
+        return size
+
+    return with_retries(_write, what=f"write {uri}", storage=storage)
+
+
 def read_bytes(uri: str, storage: StorageConfig | None = None) -> bytes:
     """The whole file. Opened as a random-access file, whose size is known, so that on S3 it is one GET (after the
     HEAD that opens it): pyarrow's input *stream* reads a whole object in ~256 KB ranged GETs, 69 requests and 0.58 s

@@ -82,3 +82,15 @@ def test_the_concurrency_simulation_preempts_the_newest_and_loses_no_token():
     assert [r.output for r in requests] == [250, 250, 250] and engine.generated == 750
     assert requests[0].preempted == 0 and requests[2].preempted >= 1 and engine.preemptions >= 1
     assert engine.free == 8 and engine.clock > 0
+
+
+def test_the_stage2_cli_bench_runs_production_s_stage2_settings():
+    """bench/gpu_stage2_cli.yaml is the production config's stage 2 (configs/qwen3.6-27b.yaml) but for the layers
+    captured on the reduced-depth checkpoint: a figure from it speaks for what a run does, and a production setting
+    changed later shows up here rather than in an unexplained GPU figure."""
+    from job.config import load_config
+
+    bench = load_config(str(BENCH / "gpu_stage2_cli.yaml")).hidden_states
+    production = load_config(str(REPO / "configs/qwen3.6-27b.yaml"), model="m", input="i", output="o").hidden_states
+    assert bench.layer_ids == [7]
+    assert {**vars(bench), "layer_ids": None} == {**vars(production), "layer_ids": None}

@@ -84,3 +84,36 @@ def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket):
     head = boto3.client("s3", endpoint_url=s3_server).head_object(Bucket=s3_bucket,
                                                                   Key="run/completions/f00000-r0-16.arrow")
     assert head["ContentLength"] == len(data)
+
+
+def test_a_streamed_stage2_part_is_table_to_ipc_s_bytes_and_commits_whole_or_not_at_all(tmp_path, s3_server,
+                                                                                      s3_bucket):
+    """write_ipc_atomic streams a part from its table's buffers (no file-sized copy): the file is byte for byte what
+    table_to_ipc made before (so readers memory-map it as they did), locally and on S3 (a 24 MB part: a multipart
+    upload), with its size returned; a commit the fence refuses leaves no file and no temp file."""
+    import numpy as np
+    import pyarrow as pa
+
+    from job.hidden_states.shards import table_to_ipc
+
+    rng = np.random.default_rng(0)
+    table = pa.table({"id": [f"s{i}" for i in range(6)],
+                      "features": pa.array([rng.bytes(4 * 1024 * 1024) for _ in range(6)], pa.binary())})
+    expected = table_to_ipc(table).to_pybytes()
+    local = str(tmp_path / "hidden_states" / "f00000-p0000.arrow")
+    assert storage.write_ipc_atomic(local, table) == len(expected)
+    assert open(local, "rb").read() == expected
+    remote = f"s3://{s3_bucket}/run/hidden_states/f00000-p0000.arrow"
+    assert storage.write_ipc_atomic(remote, table) == len(expected)
+    assert storage.read_bytes(remote) == expected
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        raise Refused("another writer holds the lock")
+
+    refused = str(tmp_path / "hidden_states" / "f00001-p0000.arrow")
+    with pytest.raises(Refused):
+        storage.write_ipc_atomic(refused, table, guard=refuse)
+    assert os.listdir(tmp_path / "hidden_states") == ["f00000-p0000.arrow"]

@@ -28,7 +28,7 @@ from job.hidden_states.checks import (
     verdict,
 )
 from job.hidden_states.samples import RunStats, plan_parts, samples_from_completions
-from job.hidden_states.shards import BackgroundWriter, part_table, table_to_ipc
+from job.hidden_states.shards import BackgroundWriter, part_table
 from job.hidden_states.transformers_backend import TransformersExtractor, load_model
 from job.hidden_states.vllm_backend import VllmExtractor
 from job.layout import HiddenStateUnit
@@ -190,11 +190,10 @@ class HiddenStateExtractor:
                 table = part_table(part.samples, features, part_schema, scales)
             else:
                 table = part_table(part.samples, part.features, part_schema)
-            buf = table_to_ipc(table)
-            part.release()
             uri = storage.join(out, names[part.index])
-            self.fence.write_bytes(uri, buf)
-            return uri, buf.size
+            size = self.fence.write_ipc(uri, table)  # streamed from the pooled buffer: it goes back once written
+            part.release()
+            return uri, size
 
         try:
             for part in self.extractor.run(todo):

@@ -22,8 +22,8 @@ Throughput decisions (measured in bench/bench_hidden_states.py; figures in docs/
   only that small table and the features cross to the host.
 - Device→host copies run on a side stream into two pinned staging buffers, so batch i+1's forward is queued
   before the host waits for batch i: the GPU never idles while the host sorts features into parts.
-- Host memory is first-touched at ~0.3 GB/s on small VMs: part buffers are reused from a pool, and Arrow IPC is
-  written into one pre-sized buffer (one copy, ~9 GB/s) instead of a growing stream (several copies).
+- Host memory is first-touched at ~0.3 GB/s on small VMs: part buffers are reused from a pool, and a part is
+  streamed from its buffer into its file (storage.write_ipc_atomic), with no file-sized buffer in between.
 """
 
 from __future__ import annotations
