@@ -28,6 +28,10 @@ def figures(run: str, started: float) -> dict:
             "report_seconds": report["seconds"], "num_tokens": report["num_tokens_extracted"],
             "units": len(markers), "parts": len(parts), "steady_units": len(later),
             "steady_tokens_per_s": tokens / seconds if seconds else 0.0,
+            # the same units: time in the extractor's loop, the extraction waiting on writes, and the rest (the
+            # shard read and the last parts' writes before the marker)
+            "steady_extract_s": sum(m["extract_seconds"] for m in later), "steady_unit_s": seconds,
+            "steady_writer_blocked_s": sum(m.get("writer_blocked_s", 0.0) for m in later),
             "first_part_s": min(os.path.getmtime(p) for p in parts) - started if parts else None,
             "self_checks": report["self_checks"], "padding_waste": report["padding_waste"]}
 

@@ -210,6 +210,7 @@ class HiddenStateExtractor:
             "num_padded_tokens": stats["num_padded_tokens"], "num_batches": stats["num_batches"],
             "num_parts": len(parts), "num_parts_written": len(written),
             "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
+            "writer_blocked_s": writer.blocked_s,  # the extraction waiting on writes: high = storage-bound
             "seconds": time.monotonic() - started,
             "feature_stats": self.extractor.feature_stats.to_dict(),
             # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
