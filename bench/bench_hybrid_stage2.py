@@ -44,15 +44,20 @@ SHAPE_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, n
                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
-def run_samples(run: str) -> list:
-    """Every kept sample of a run's completion shards, in stage 2's rules (the config's defaults: max_length 4096,
-    flagged rows kept), shard by shard as its units are."""
+def run_samples(run: str, limit: int | None = None) -> list:
+    """Every kept sample of a run's completion shards (of its first `limit` rows, as `hidden-states --limit`), in
+    stage 2's rules (the config's defaults: max_length 4096, flagged rows kept), shard by shard as its units are."""
     from job import layout, scan, storage
     from job.hidden_states.samples import samples_from_completions
 
-    samples = []
+    samples, rows = [], 0
     for shard in scan.judge_completion_shards(run).trusted:
-        samples += samples_from_completions(storage.read_shard(shard.uri), max_length=4096, keep_flagged=True)[0]
+        table = storage.read_shard(shard.uri)
+        take = table.num_rows if limit is None else min(table.num_rows, limit - rows)
+        if take <= 0:
+            break
+        samples += samples_from_completions(table, max_length=4096, keep_flagged=True, row_limit=take)[0]
+        rows += take
     assert samples, f"{run}: no completion shard under {layout.COMPLETIONS_DIR}"
     return samples
 
@@ -97,6 +102,7 @@ def main():
                         "instead of drawn ones")
     parser.add_argument("--layers", help="the layers captured, comma-separated (default: DFlash's on the 27B)")
     parser.add_argument("--rows-per-part", type=int, default=8, help="samples per part (hidden_states.rows_per_shard)")
+    parser.add_argument("--limit", type=int, help="with --run: its first N rows only (hidden-states --limit)")
     args = parser.parse_args()
     for layout in args.layouts:  # fail here, not after minutes on the GPU
         attention, gdn, *extra = layout.split(":") + [""]
@@ -122,7 +128,7 @@ def main():
                "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                "torch": torch.__version__}
     if args.run:
-        samples = run_samples(args.run)
+        samples = run_samples(args.run, args.limit)
     elif args.smoke:
         samples = make_samples(6, SMOKE["vocab_size"], seed=0, min_len=100, max_len=300)
     else:

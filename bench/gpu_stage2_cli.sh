@@ -6,7 +6,9 @@
 #      stage2-cli-run (made on the CPU by bench/stage2_cli_inputs.py, carried) copied to $RUN_DIR;
 #   3. bench/stage2_cli_figures.py: the report's tokens/s, the steady state, the time to the first committed part;
 #   4. bench_hybrid_stage2.py on the same checkpoint and samples, in the path the job's worker said it ran.
-# carry: stage2-cli-run, .cache/tiny-hybrid. Logs and JSON go to $OUT.
+# LIMIT=N: the run's first N rows only (both). carry: stage2-cli-run, .cache/tiny-hybrid's tokenizer.json,
+# tokenizer_config.json, chat_template.jinja and generation_config.json (all of it is over the 64 MiB with the last
+# wheel part). Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -23,7 +25,7 @@ fi
 rm -rf $RUN_DIR && cp -r stage2-cli-run $RUN_DIR
 started=$(date +%s.%N)
 timeout ${CT:-300} python3 -m job hidden-states --config bench/gpu_stage2_cli.yaml --model $CKPT --output $RUN_DIR \
-  --allow-drift 2>&1 | tee $OUT/job.log | grep -v "^\[hidden\|Warning\|warn" | grep -i \
+  --allow-drift ${LIMIT:+--limit $LIMIT} 2>&1 | tee $OUT/job.log | grep -v "^\[hidden\|Warning\|warn" | grep -i \
   "worker on\|self-check\|hidden states:\|note:\|error\|Traceback" | cut -c1-400
 python3 bench/stage2_cli_figures.py $RUN_DIR --started $started --out $OUT/job_figures.json | cut -c1-600
 path=$(grep -o "attention packed\|attention padded" $OUT/job.log | head -1 | awk '{print $2}')
@@ -33,6 +35,6 @@ fuse=$(grep -o "fused elementwise ops ([a-z]*)" $OUT/job.log | head -1 | sed 's/
 layout="${path:-packed}:$gdn:fuse-${fuse:-off}"
 echo "bench layout: $layout"
 timeout ${BT:-240} python3 bench/bench_hybrid_stage2.py --model $CKPT --run $RUN_DIR --layers 7 --rows-per-part 8 \
-  --batch-tokens 65536 --layouts $layout --no-plain --out $OUT/bench.json 2>&1 | grep -v "Warning\|warn" \
+  --batch-tokens 65536 --layouts $layout --no-plain ${LIMIT:+--limit $LIMIT} --out $OUT/bench.json 2>&1 | grep -v "Warning\|warn" \
   | tee $OUT/bench.log | tail -3 | cut -c1-400
 rm -rf $RUN_DIR/hidden_states   # tens of GB: the next call's disk
