@@ -4,12 +4,10 @@ S3-compatible endpoints come from `StorageConfig.endpoint_url` or the standard A
 (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...). Credentials are never stored in the run directory or logged:
 pyarrow reads them from the environment / instance profile itself.
 
-Shard writes are atomic: a reader sees either no shard or the whole shard.
-- local: write `.<name>.tmp-<pid>-<rand>` next to the target, then rename (atomic on POSIX). The leading dot
-  matters: pyarrow.dataset (and Ray Data) skip dot-files, so a temp file left by a killed writer is never read
-  as a shard; a rerun deletes such leftovers (`remove_temp_files`);
-- S3: a PUT (or a completed multipart upload) makes the object visible in one step, so writing the final key
-  directly is already atomic; nothing half-written is ever listed.
+Shard writes are atomic: a reader sees either no shard or the whole shard. Locally `.<name>.tmp-<pid>-<rand>` is
+written, then renamed (atomic on POSIX; pyarrow.dataset and Ray Data skip dot-files, and a rerun deletes a killed
+writer's leftovers: `remove_temp_files`). On S3 a PUT (or a completed multipart upload) makes the object visible in
+one step: nothing half-written is ever listed.
 """
 
 from __future__ import annotations
@@ -295,50 +293,24 @@ def remove_temp_files(uri: str) -> int:
 
 
 def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = None, guard=None) -> None:
-    """Write `uri` whole or not at all. `guard`: a context-manager factory the commit step runs inside (the
-    writer lock's fence, job/lock.py): locally the rename, on S3 the PUT; it raises to refuse the commit."""
-    fs, path = resolve(uri, storage)
-    guard = guard or contextlib.nullcontext
-
-    def _write():
-        if isinstance(fs, pafs.LocalFileSystem):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            head, tail = os.path.split(path)
-            tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                with guard():
-                    os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):  # a refused commit leaves nothing behind
-                    os.remove(tmp)
-        else:
-            # One PutObject, or a multipart upload completed on close. pyarrow 26 leaves a failed multipart upload
-            # incomplete rather than completing it short (tests/test_storage.py checks that); a size check after
-            # the write guards the rest: a short object is deleted and the write retried. Incomplete uploads of
-            # killed jobs: the bucket's AbortIncompleteMultipartUpload rule cleans them (docs/OPERATIONS.md).
-            with guard():
-                with fs.open_output_stream(path) as out:
-                    out.write(data)
-            size = fs.get_file_info(path).size
-            if size != len(data):
-                fs.delete_file(path)
-                raise OSError(f"AWS Error NETWORK_CONNECTION: {uri} was committed with {size} of {len(data)} bytes "
-                              "(deleted, retrying)")
-
-    with_retries(_write, what=f"write {uri}", storage=storage)
+    """`uri` whole or not at all; `guard` (the fence, job/lock.py) wraps the commit (rename, PUT) and may refuse it."""
+    _write_atomic(uri, lambda sink: sink.write(data), storage, guard)
 
 
 def write_ipc_atomic(uri: str, table: pa.Table, storage: StorageConfig | None = None, guard=None) -> int:
-    """`table` as an uncompressed Arrow IPC file at `uri`, whole or not at all, as write_bytes_atomic commits; returns
-    its size. Streamed from the table's own buffers into the file (locally) or the upload (S3): no file-sized buffer
-    in between. Stage 2's 146 MB parts went at 0.37 GB/s through a fresh buffer a part (host memory is first-touched
-    at ~0.3 GB/s on small VMs) and 3.3 GB/s streamed (tmpfs, 2-core VM); on an H100 the writer thread held stage 2
-    at 0.29x of its GPU rate. The bytes are the same as table_to_ipc's (tests/test_storage.py)."""
-    assert uri.endswith(SHARD_SUFFIX), uri
+    """`table` as an uncompressed Arrow IPC file (table_to_ipc's bytes), committed as above; returns its size.
+    Streamed from its buffers: 3.5 GB/s for 146 MB parts, 0.6 through a fresh buffer each (bench_part_writes.py)."""
+    def fill(sink):
+        with ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+
+    return _write_atomic(uri, fill, storage, guard)
+
+
+def _write_atomic(uri: str, fill, storage: StorageConfig | None, guard) -> int:
+    """`fill(sink)` writes the bytes into a local temp file renamed under `guard`, or one S3 upload made under it
+    (a multipart one completes on close; pyarrow 26 leaves a failed one incomplete, tests/test_storage.py; a short
+    object is deleted and retried; killed jobs' uploads: AbortIncompleteMultipartUpload, docs/OPERATIONS.md)."""
     fs, path = resolve(uri, storage)
     guard = guard or contextlib.nullcontext
 
@@ -349,8 +321,7 @@ def write_ipc_atomic(uri: str, table: pa.Table, storage: StorageConfig | None = 
             tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
                 with open(tmp, "wb") as f:
-                    with ipc.new_file(f, table.schema) as w:
-                        w.write_table(table)
+                    fill(f)
                     size = f.tell()
                     f.flush()
                     os.fsync(f.fileno())
@@ -360,10 +331,9 @@ def write_ipc_atomic(uri: str, table: pa.Table, storage: StorageConfig | None = 
                 if os.path.exists(tmp):  # a refused commit leaves nothing behind
                     os.remove(tmp)
             return size
-        with guard():  # as write_bytes_atomic: the upload commits on close, a short object is deleted and retried
+        with guard():
             with fs.open_output_stream(path) as out:
-                with ipc.new_file(out, table.schema) as w:
-                    w.write_table(table)
+                fill(out)
                 size = out.tell()
         stored = fs.get_file_info(path).size
         if stored != size:
@@ -415,15 +385,13 @@ def read_json(uri: str, storage: StorageConfig | None = None):
     """A small JSON file (run.json, a stage-2 marker, a report). On S3 one GET (pyarrow's input stream made a HEAD
     first: a marker read was two requests, 40,000 for a run of 20,000 shards)."""
     if is_s3(uri):
-        return json.loads(with_retries(lambda: s3_get(uri, storage)[0], what=f"read {uri}",
-                                       storage=storage))
+        return json.loads(with_retries(lambda: s3_get(uri, storage)[0], what=f"read {uri}", storage=storage))
     return json.loads(read_bytes(uri, storage))
 
 
 def table_to_ipc_bytes(table: pa.Table, compression: str | None = "zstd") -> bytes:
     sink = io.BytesIO()
-    options = ipc.IpcWriteOptions(compression=compression)
-    with ipc.new_file(sink, table.schema, options=options) as writer:
+    with ipc.new_file(sink, table.schema, options=ipc.IpcWriteOptions(compression=compression)) as writer:
         writer.write_table(table)
     return sink.getvalue()
 

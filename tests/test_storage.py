@@ -66,23 +66,36 @@ def test_a_connection_closed_by_the_server_is_retried_not_a_crash(monkeypatch):
     assert closed["n"] == 2
 
 
-def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket):
+@pytest.mark.parametrize("streamed", [False, True], ids=["bytes", "streamed-ipc"])
+def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket, streamed):
     """A 24 MB shard is a multipart upload; its second part fails every time (a fault injected by a proxy in front
-    of the real moto server). Nothing may be committed under the shard's name: resume trusts names."""
+    of the real moto server). Nothing may be committed under the shard's name: resume trusts names. The same for
+    a stage-2 part streamed from its table (write_ipc_atomic)."""
     import boto3
+    import pyarrow as pa
 
-    data = os.urandom(24 * 1024 * 1024)
+    from job.hidden_states.shards import table_to_ipc
+
+    table = pa.table({"features": pa.array([os.urandom(4 * 1024 * 1024) for _ in range(6)], pa.binary())})
+    data = table_to_ipc(table).to_pybytes() if streamed else os.urandom(24 * 1024 * 1024)
+
+    def write(uri, config=None):
+        if streamed:
+            return storage.write_ipc_atomic(uri, table, config)
+        return storage.write_bytes_atomic(uri, data, config)
+
+    uri = f"s3://{s3_bucket}/run-{'ipc' if streamed else 'bytes'}/completions/f00000-r0-16.arrow"  # the cases share a bucket
     port = int(s3_server.rsplit(":", 1)[1])
     with FaultyProxy(port, match="partNumber=2", fail_always=True) as proxy:
         config = StorageConfig(endpoint_url=proxy.url, num_retries=2, retry_base_s=0.01)
         with pytest.raises(StorageError, match="still failing after 2 attempts"):
-            storage.write_bytes_atomic(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow", data, config)
+            write(uri, config)
         assert proxy.num_faults >= 2
-    assert not storage.exists(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow")
+    assert not storage.exists(uri)
     # The same write without the fault commits the whole object, size checked.
-    storage.write_bytes_atomic(f"s3://{s3_bucket}/run/completions/f00000-r0-16.arrow", data)
+    write(uri)
     head = boto3.client("s3", endpoint_url=s3_server).head_object(Bucket=s3_bucket,
-                                                                  Key="run/completions/f00000-r0-16.arrow")
+                                                                  Key=uri.split("/", 3)[3])
     assert head["ContentLength"] == len(data)
 
 
