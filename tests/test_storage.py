@@ -84,7 +84,7 @@ def test_a_failed_multipart_upload_leaves_no_object(s3_server, s3_bucket, stream
             return storage.write_ipc_atomic(uri, table, config)
         return storage.write_bytes_atomic(uri, data, config)
 
-    uri = f"s3://{s3_bucket}/run-{'ipc' if streamed else 'bytes'}/completions/f00000-r0-16.arrow"  # the cases share a bucket
+    uri = f"s3://{s3_bucket}/run-{'ipc' if streamed else 'bytes'}/completions/f00000-r0-16.arrow"  # a shared bucket
     port = int(s3_server.rsplit(":", 1)[1])
     with FaultyProxy(port, match="partNumber=2", fail_always=True) as proxy:
         config = StorageConfig(endpoint_url=proxy.url, num_retries=2, retry_base_s=0.01)
