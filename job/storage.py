@@ -299,7 +299,7 @@ def write_bytes_atomic(uri: str, data: bytes, storage: StorageConfig | None = No
 
 def write_ipc_atomic(uri: str, table: pa.Table, storage: StorageConfig | None = None, guard=None) -> int:
     """`table` as an uncompressed Arrow IPC file (table_to_ipc's bytes), committed as above; returns its size.
-    Streamed from its buffers: 3.5 GB/s for 146 MB parts, 0.6 through a fresh buffer each (bench_part_writes.py)."""
+    Streamed from its buffers: 3.3 GB/s for 146 MB parts, 0.7 through a fresh buffer each (bench_part_writes.py)."""
     def fill(sink):
         with ipc.new_file(sink, table.schema) as w:
             w.write_table(table)
