@@ -41,13 +41,13 @@ LAYER_OF = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 # writers of files outside any run directory, which no stage lock covers.
 DIRECT_WRITERS = {
     "job/storage.py": "the functions themselves",
-    "job/lock.py": "the fence: Fence.write_bytes/write_json/write_shard/delete/move",
+    "job/lock.py": "the fence: Fence.write_bytes/write_ipc/write_json/write_shard/delete/move",
     "job/export/files.py": "an export writes the trainer's files into the user's export directory",
     "job/export/trainer_format.py": "an export's samples list and export.json",
     "job/export/conversations.py": "the conversations export",
 }
-WRITING_FUNCTIONS = {"write_bytes_atomic", "write_json", "write_shard", "write_lines", "delete", "move",
-                     "remove_temp_files"}
+WRITING_FUNCTIONS = {"write_bytes_atomic", "write_ipc_atomic", "write_json", "write_shard", "write_lines", "delete",
+                     "move", "remove_temp_files"}
 RUN_DIRECTORY_NAMES = re.compile(r"(^|/)(completions|hidden_states|_done|reports|locks|quarantine|attempts|cache|"
                                  r"drafts)/|^run\.json$")
 
