@@ -16,12 +16,18 @@ import argparse
 import glob
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from job import layout  # noqa: E402  the run directory's names, as the job makes them
 
 
 def figures(run: str, started: float) -> dict:
-    report = json.load(open(os.path.join(run, "reports", "hidden_states.json")))
-    markers = [json.load(open(p)) for p in glob.glob(os.path.join(run, "hidden_states", "_done", "*.json"))]
-    parts = glob.glob(os.path.join(run, "hidden_states", "*.arrow"))
+    report = json.load(open(os.path.join(run, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)))
+    hidden = os.path.join(run, layout.HIDDEN_STATES_DIR)
+    markers = [json.load(open(p)) for p in glob.glob(os.path.join(hidden, layout.DONE_DIR, "*.json"))]
+    parts = glob.glob(os.path.join(hidden, "*" + layout.SHARD_SUFFIX))
     later = [m for m in markers if not m.get("self_check")]  # a worker's first unit carries its self-check
     tokens, seconds = sum(m["num_tokens_extracted"] for m in later), sum(m["seconds"] for m in later)
     return {"report_tokens_per_s": report["tokens_per_s"], "report_extract_s": report["extract_seconds"],
