@@ -25,10 +25,12 @@ if [ ! -f $CKPT/model.safetensors.index.json ] && [ ! -f $CKPT/model.safetensors
 fi
 rm -rf $RUN_DIR && cp -r stage2-cli-run $RUN_DIR
 started=$(date +%s.%N)
-timeout ${CT:-300} python3 -m job hidden-states --config bench/gpu_stage2_cli.yaml --model $CKPT --output $RUN_DIR \
+# CT: a fresh machine took 3 min to its first unit (2026-12-08: Ray, 11 GB loaded, the self-check, compiles).
+timeout ${CT:-420} python3 -m job hidden-states --config bench/gpu_stage2_cli.yaml --model $CKPT --output $RUN_DIR \
   --allow-drift ${LIMIT:+--limit $LIMIT} 2>&1 | tee $OUT/job.log | grep -v "^\[hidden\|Warning\|warn" | grep -i \
   "worker on\|self-check\|hidden states:\|note:\|error\|Traceback" | cut -c1-400
 python3 bench/stage2_cli_figures.py $RUN_DIR --started $started --out $OUT/job_figures.json | cut -c1-600
+tar czf $OUT/markers.tgz -C $RUN_DIR hidden_states/done 2>/dev/null   # each unit's summary, kept if the job is cut off
 path=$(grep -o "attention packed\|attention padded" $OUT/job.log | head -1 | awk '{print $2}')
 gdn=$(grep -q "varlen kernels" $OUT/job.log && echo varlen || echo per_sequence)
 [ "$path" = padded ] && gdn=""

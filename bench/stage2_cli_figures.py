@@ -24,22 +24,28 @@ from job import layout  # noqa: E402  the run directory's names, as the job make
 
 
 def figures(run: str, started: float) -> dict:
-    report = json.load(open(os.path.join(run, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)))
+    """The figures; a job cut off before its report still gives its markers' (the report's figures then None)."""
+    report_path = os.path.join(run, layout.REPORTS_DIR, layout.HIDDEN_STATES_REPORT)
+    report = json.load(open(report_path)) if os.path.exists(report_path) else {}
     hidden = os.path.join(run, layout.HIDDEN_STATES_DIR)
     markers = [json.load(open(p)) for p in glob.glob(os.path.join(hidden, layout.DONE_DIR, "*.json"))]
     parts = glob.glob(os.path.join(hidden, "*" + layout.SHARD_SUFFIX))
     later = [m for m in markers if not m.get("self_check")]  # a worker's first unit carries its self-check
     tokens, seconds = sum(m["num_tokens_extracted"] for m in later), sum(m["seconds"] for m in later)
-    return {"report_tokens_per_s": report["tokens_per_s"], "report_extract_s": report["extract_seconds"],
-            "report_seconds": report["seconds"], "num_tokens": report["num_tokens_extracted"],
+    return {"report_tokens_per_s": report.get("tokens_per_s"), "report_extract_s": report.get("extract_seconds"),
+            "report_seconds": report.get("seconds"), "num_tokens": report.get("num_tokens_extracted"),
             "units": len(markers), "parts": len(parts), "steady_units": len(later),
             "steady_tokens_per_s": tokens / seconds if seconds else 0.0,
             # the same units: time in the extractor's loop, the extraction waiting on writes, and the rest (the
             # shard read and the last parts' writes before the marker)
             "steady_extract_s": sum(m["extract_seconds"] for m in later), "steady_unit_s": seconds,
             "steady_writer_blocked_s": sum(m.get("writer_blocked_s", 0.0) for m in later),
+            # per unit: where a slow unit's time went
+            "units_timed": [{k: m.get(k) for k in ("unit", "num_tokens_extracted", "num_batches", "seconds", "read_s",
+                                                   "extract_seconds", "wait_gpu_s", "host_copy_s", "writer_blocked_s")}
+                            for m in sorted(markers, key=lambda m: str(m.get("unit")))],
             "first_part_s": min(os.path.getmtime(p) for p in parts) - started if parts else None,
-            "self_checks": report["self_checks"], "padding_waste": report["padding_waste"]}
+            "self_checks": report.get("self_checks"), "padding_waste": report.get("padding_waste")}
 
 
 def main() -> None:

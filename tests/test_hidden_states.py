@@ -479,6 +479,19 @@ def test_self_check_passes_on_every_worker_and_is_reported(float32_run):
     assert set(check["max_difference_by_layer"]) == {"0", "1", "3"}
 
 
+def test_each_units_marker_says_where_its_time_went(float32_run):
+    """A slow stage 2 names its cause from its markers: the shard read, the host waiting on the device, sorting into
+    part buffers and waiting on writes are each inside the unit's time, and together within its extraction's."""
+    run, _, _ = float32_run
+    done = os.path.join(run, layout.HIDDEN_STATES_DIR, layout.DONE_DIR)
+    markers = [json.load(open(os.path.join(done, name))) for name in sorted(os.listdir(done))]
+    assert len(markers) == len(SHARDS)
+    for m in markers:
+        assert 0 < m["read_s"] < m["seconds"] and 0 < m["extract_seconds"] < m["seconds"]
+        assert m["wait_gpu_s"] == 0.0  # on the CPU nothing is copied from a device
+        assert 0 < m["host_copy_s"] and m["host_copy_s"] + m["writer_blocked_s"] <= m["extract_seconds"]
+
+
 @pytest.mark.slow  # the hybrid model
 def test_self_check_stops_a_packed_hybrid_whose_state_crosses_sequences(tiny_hybrid_dir, vocab_size, tmp_path,
                                                                          monkeypatch):

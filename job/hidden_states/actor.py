@@ -163,6 +163,7 @@ class HiddenStateExtractor:
         cfg, out = self.config, storage.join(self.config.output, layout.HIDDEN_STATES_DIR)
         started = time.monotonic()
         parts, skipped, source = self._samples(unit)
+        read_s = time.monotonic() - started
         names = [unit.part_name(j) for j in range(len(parts))]
         # Files of this shard from a run with another --limit: markers first, so a crash here leaves the unit
         # not-done (it is redone), never done-but-incomplete.
@@ -210,7 +211,12 @@ class HiddenStateExtractor:
             "num_padded_tokens": stats["num_padded_tokens"], "num_batches": stats["num_batches"],
             "num_parts": len(parts), "num_parts_written": len(written),
             "bytes_written": sum(b for _, b in written), "extract_seconds": stats["seconds"],
-            "writer_blocked_s": writer.blocked_s,  # the extraction waiting on writes: high = storage-bound
+            # Where a unit's time went, for a slow stage 2 to name its cause: reading the completion shard, the
+            # host waiting on the GPU (high = GPU-bound, as it should be), sorting features into part buffers, and
+            # the extraction waiting on writes (high = storage-bound). The rest of extract_seconds is the host's
+            # own work: launching the forward.
+            "read_s": read_s, "wait_gpu_s": stats["wait_gpu_s"], "host_copy_s": stats["host_copy_s"],
+            "writer_blocked_s": writer.blocked_s,
             "seconds": time.monotonic() - started,
             "feature_stats": self.extractor.feature_stats.to_dict(),
             # This worker's exactness self-check and slow-path warnings, reported with its first unit only.
