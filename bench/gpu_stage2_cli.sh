@@ -6,7 +6,8 @@
 #      stage2-cli-run (made on the CPU by bench/stage2_cli_inputs.py, carried) copied to $RUN_DIR;
 #   3. bench/stage2_cli_figures.py: the report's tokens/s, the steady state, the time to the first committed part;
 #   4. bench_hybrid_stage2.py on the same checkpoint and samples, in the path the job's worker said it ran.
-# Results of 2026-12-07 (one H100) are in bench/results/h100_stage2_cli/ and docs/BENCHMARKS.md.
+# Results (one H100: 2026-12-07, and a rerun cut off on 2026-12-08) are in bench/results/h100_stage2_cli/ and
+# docs/BENCHMARKS.md.
 # LIMIT=N: the run's first N rows only (both). carry: stage2-cli-run, .cache/tiny-hybrid's tokenizer.json,
 # tokenizer_config.json, chat_template.jinja and generation_config.json (all of it is over the 64 MiB with the last
 # wheel part). Logs and JSON go to $OUT.
