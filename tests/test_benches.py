@@ -94,3 +94,34 @@ def test_the_stage2_cli_bench_runs_production_s_stage2_settings():
     production = load_config(str(REPO / "configs/qwen3.6-27b.yaml"), model="m", input="i", output="o").hidden_states
     assert bench.layer_ids == [7]
     assert {**vars(bench), "layer_ids": None} == {**vars(production), "layer_ids": None}
+
+
+def test_the_capture_keeps_a_recomputed_position_s_last_row_and_tells_prefill_from_verify_rows():
+    """bench/bench_capture_in_vllm.py's `_take`, over the steps its hook records (request ids, query offsets,
+    positions, rows), with MTP 2: a prefill of 4 positions, then verify steps of 3 tokens where the third token of
+    the first was rejected, so its position (6) is computed again by the next step: the row kept is the later one,
+    and the verify steps' positions (4-8) count as decoded, the prefill's (0-3) do not."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from bench_capture_in_vllm import _take
+
+    def step(req_ids, offsets, positions, fill):
+        rows = torch.stack([torch.full((2,), float(fill * 100 + p)) for p in positions])
+        return 0, req_ids, np.array(offsets), torch.tensor(positions), rows
+
+    steps = [step(["7-9c53aeb0"], [0, 4], [0, 1, 2, 3], fill=1),
+             step(["7-9c53aeb0"], [0, 3], [4, 5, 6], fill=2),
+             step(["7-9c53aeb0"], [0, 3], [6, 7, 8], fill=3)]
+
+    class Worker:  # what collective_rpc hands `_take`: the engine's worker, holding the hook's store
+        class model_runner:
+            _datagen_capture = {"steps": steps, "verify_tokens": 3}
+
+    taken = _take(Worker())
+    rows = taken["7"]  # the output's id, without the engine's suffix
+    assert {p: float(r[0]) for p, r in rows[0].items()} == {
+        0: 100, 1: 101, 2: 102, 3: 103, 4: 204, 5: 205, 6: 306, 7: 307, 8: 308}
+    assert rows["decoded"] == {4, 5, 6, 7, 8}
+    assert Worker.model_runner._datagen_capture["steps"] == []  # taken once
