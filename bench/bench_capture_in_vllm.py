@@ -242,7 +242,7 @@ def main() -> int:
         "decode_vs_vllm_prefill_by_layer": {
             stat: [float(f"{x:.3e}") for x in fn(torch.cat(by_layer))] for stat, fn in
             (("mean", lambda t: t.mean(0)), ("p99", lambda t: t.quantile(0.99, dim=0)), ("max", lambda t: t.amax(0)))},
-        "engine": {k: v for k, v in engine.items()}, "device": torch.cuda.get_device_name()
+        "engine": dict(engine), "device": torch.cuda.get_device_name()
         if torch.cuda.is_available() else "cpu",
         "compared": len(chosen), "compared_rows": compared_rows, "of_them_from_decode_steps": decoded,
     }

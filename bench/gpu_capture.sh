@@ -3,8 +3,10 @@
 # a decode step computes against vLLM's own prefill of prompt + completion and transformers' (stage 2's rows), on the
 # tiny hybrid (flash-linear-attention's chunked prefill and fused recurrent decode, bf16), with MTP off and on (verify
 # rows), and on the tiny dense target. Eager engines: the hook runs outside any CUDA graph.
-# carry: .cache/tiny-hybrid, .cache/tiny-model, gpu-train-run (the hybrid's stage-1 run) and .cache/capture-dense-run
-# (demo-run's run.json and completions/). Logs and JSON go to $OUT.
+# carry: .cache/tiny-hybrid, .cache/tiny-model, gpu-train-run (the hybrid's stage-1 run: bench/gpu_train_inputs.sh) and
+# .cache/capture-dense-run, demo-run without its 846 MB of hidden states, made here after `make demo`:
+#   mkdir -p .cache/capture-dense-run && cp -r demo-run/run.json demo-run/completions .cache/capture-dense-run/
+# Logs and JSON go to $OUT.
 set -u
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_ALLOW_INSECURE_SERIALIZATION=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
